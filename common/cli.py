@@ -1,0 +1,66 @@
+"""The flags every training script shares (``--help`` lists them) and their checks."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from common.errors import UserError
+from common.model import PRESETS, get_config
+
+
+def parser(description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("shared by every script")
+    g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
+    g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps to train (default: 100)")
+    g.add_argument("--global-batch-size", type=int, default=8,
+                   help="sequences per optimizer step, summed over data-parallel ranks (default: 8)")
+    g.add_argument("--seq-len", type=int, default=256, help="tokens (bytes) per sequence (default: 256)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default: 3e-3)")
+    g.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up, then cosine decay (default: 10)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order (default: 0)")
+    g.add_argument("--data", default="stdlib",
+                   help="'stdlib' (this Python's standard library source, the default), 'synthetic' "
+                        "(random bytes) or a path to a text file or a folder of them")
+    g.add_argument("--out", default=None, help="output folder (default: runs/<script name>)")
+    g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
+    g.add_argument("--trace-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="record the memory timeline of a few steps and draw it (default: on)")
+    g.add_argument("--trace-start", type=int, default=1,
+                   help="first recorded step, after warm-up (default: 1, the second step)")
+    g.add_argument("--trace-steps", type=int, default=2, help="number of recorded steps (default: 2)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out batches for the validation loss at the end (default: 4; 0 skips it)")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse and check the shared flags; adds ``args.model_config`` and ``args.script``."""
+    args = p.parse_args(argv)
+    args.script = Path(sys.argv[0]).stem
+    if args.model not in PRESETS:
+        raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
+    for flag in ("steps", "global_batch_size", "seq_len", "trace_steps"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    for flag in ("warmup_steps", "trace_start", "eval_batches"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)}).")
+    if not args.lr > 0:
+        raise UserError(f"--lr must be positive (got {args.lr}).")
+    if args.n_layers is not None and args.n_layers <= 0:
+        raise UserError(f"--n-layers must be positive (got {args.n_layers}).")
+    try:
+        args.model_config = get_config(args.model, n_layers=args.n_layers)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.seq_len > args.model_config.max_seq_len:
+        raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports "
+                        f"({args.model_config.max_seq_len}); use --seq-len {args.model_config.max_seq_len} or less.")
+    if args.trace_memory and args.trace_start >= args.steps:
+        raise UserError(f"--trace-start {args.trace_start} is past the last step ({args.steps - 1}); "
+                        f"lower it, train longer, or pass --no-trace-memory.")
+    args.out = Path(args.out or Path("runs") / args.script)
+    return args

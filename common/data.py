@@ -1,0 +1,146 @@
+"""Real text, byte-level tokens, and a loader that gives every world size the same batches.
+
+Tokens are raw bytes (vocabulary 256), so there is no tokenizer to download. The default
+corpus is the source of the running Python's standard library, found on disk: about 30 MB
+of real, structured text on any machine that can run this tutorial.
+
+The loader is a ``DistributedSampler`` plus a ``DataLoader``. With ``drop_last`` and a
+per-rank batch of ``global_batch / dp_size``, global batch k is the set
+``perm[k*B:(k+1)*B]`` of one seeded permutation whatever the number of data-parallel
+ranks (rank r takes every dp_size-th index of it). That is what lets the tests compare a
+4-rank run with a 1-process run sample for sample.
+"""
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from common.errors import UserError
+
+VAL_EVERY = 20  # one file in 20 (by a hash of its path) is held out for validation
+SYNTHETIC_TOKENS = 4_000_000
+
+
+@dataclass
+class Corpus:
+    name: str
+    train: torch.Tensor  # uint8 tokens
+    val: torch.Tensor
+    train_files: list[str]
+    val_files: list[str]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files() -> tuple[Path, list[Path]]:
+    root = stdlib_root()
+    files = [p for p in root.rglob("*.py")
+             if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts)]
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _text_files(path: Path) -> tuple[Path, list[Path]]:
+    if not path.exists():
+        raise UserError(f"--data {path}: no such file or folder; give a text file, a folder of them, "
+                        f"'stdlib' or 'synthetic'.")
+    if path.is_file():
+        return path.parent, [path]
+    files = sorted((p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)),
+                   key=lambda p: p.relative_to(path).as_posix())
+    return path, files
+
+
+def _split(root: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Hold out whole files (never a file split between train and val)."""
+    if len(files) == 1:
+        return files, []
+    val = [p for p in files if zlib.crc32(p.relative_to(root).as_posix().encode()) % VAL_EVERY == 0]
+    if not val:
+        val = files[-1:]
+    val_set = set(val)
+    return [p for p in files if p not in val_set], val
+
+
+def _read(files: list[Path], what: str) -> torch.Tensor:
+    chunks = []
+    for p in files:
+        try:
+            chunks.append(p.read_bytes())
+        except OSError as e:
+            raise UserError(f"--data: cannot read {p} ({e.strerror}).") from None
+    data = b"".join(chunks)
+    if not data:
+        raise UserError(f"--data {what}: the text is empty; give a file or folder with some text in it.")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def load_corpus(spec: str, seed: int = 0) -> Corpus:
+    """``stdlib`` (default), ``synthetic`` (seeded random bytes), or a path to text."""
+    if spec == "synthetic":
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, 256, (SYNTHETIC_TOKENS,), generator=g, dtype=torch.uint8)
+        cut = int(len(tokens) * (1 - 1 / VAL_EVERY))
+        return Corpus("synthetic", tokens[:cut], tokens[cut:], [], [])
+    root, files = _stdlib_files() if spec == "stdlib" else _text_files(Path(spec))
+    if not files:
+        raise UserError(f"--data {spec}: found no files to read; give a text file or a folder of them.")
+    train_files, val_files = _split(root, files)
+    train = _read(train_files, spec)
+    if val_files:
+        val = _read(val_files, spec)
+    else:  # a single file: hold out its last 5% instead
+        cut = int(len(train) * (1 - 1 / VAL_EVERY))
+        train, val = train[:cut], train[cut:]
+    rel = lambda ps: [p.relative_to(root).as_posix() for p in ps]  # noqa: E731
+    return Corpus(spec, train, val, rel(train_files), rel(val_files))
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of seq_len + 1 bytes: inputs and next-byte targets."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self):
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i):
+        w = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
+        return w[:-1], w[1:]
+
+
+class Batches:
+    """An endless iterator over (inputs, targets) batches of this rank's share.
+
+    ``set_epoch`` gives each pass over the data a new shuffle that every rank agrees on:
+    forget it and every epoch repeats the first one's order.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+        if global_batch_size % dp_size:
+            raise UserError(f"--global-batch-size {global_batch_size} does not divide among {dp_size} "
+                            f"data-parallel ranks; use a multiple of {dp_size}.")
+        self.dataset = TokenWindows(tokens, seq_len)
+        if len(self.dataset) < global_batch_size:
+            raise UserError(f"the data holds {len(self.dataset)} sequences of {seq_len + 1} bytes, fewer than "
+                            f"one global batch of {global_batch_size}; use more text, a shorter --seq-len "
+                            f"or a smaller --global-batch-size.")
+        self.sampler = DistributedSampler(self.dataset, num_replicas=dp_size, rank=dp_rank,
+                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.loader = DataLoader(self.dataset, batch_size=global_batch_size // dp_size,
+                                 sampler=self.sampler, drop_last=True)
+        self.epoch = 0
+
+    def __iter__(self):
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            yield from self.loader
+            self.epoch += 1

@@ -1,0 +1,114 @@
+"""Process-group setup shared by every script: torchrun or plain python, GPU or CPU.
+
+torchrun starts one process per rank and tells each who it is through environment
+variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). Under plain
+``python`` none are set and we are world size 1. NCCL drives GPUs; gloo drives CPUs, which
+is how this tutorial runs several "GPUs" on a laptop.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from common.errors import UserError
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launched: bool  # started by torchrun (else plain python, world size 1)
+    meshes: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kwargs):
+        """print() on rank 0 only: four ranks saying the same thing is noise."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def mesh(self, shape: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> DeviceMesh:
+        """A DeviceMesh over all ranks: 1-D (``dp``) by default, or the given shape."""
+        shape, names = shape or (self.world_size,), names or ("dp",)
+        key = (shape, names)
+        if key not in self.meshes:
+            size = 1
+            for s in shape:
+                size *= s
+            if size != self.world_size:
+                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}) needs {size} ranks "
+                                f"but {self.world_size} were launched; make the product equal the world size.")
+            self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self.meshes[key]
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def resolve_device(device: str, local_rank: int, local_world_size: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
+        n = torch.cuda.device_count()
+        if local_world_size > n:
+            raise UserError(f"{local_world_size} ranks per node but only {n} visible GPU(s); NCCL needs one GPU "
+                            f"per rank: use --nproc-per-node {n} or run on CPU with --device cpu.")
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise UserError(f"--device {device!r}: choose auto, cpu or cuda.")
+
+
+@contextlib.contextmanager
+def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0):
+    """Set up this process's rank, device and process group; always tear them down.
+
+    Yields a ``Dist``. The process group exists only under torchrun; a plain ``python``
+    run is world size 1 with no process group (nothing to communicate).
+    """
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    dev = resolve_device(device, local_rank, local_world)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise UserError("--backend nccl needs CUDA GPUs; use gloo on CPU.")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if launched:
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # device_id on CPU raises
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    ctx = Dist(rank, world, local_rank, dev, backend, launched)
+    try:
+        yield ctx
+    finally:
+        if dist.is_initialized():
+            # On success every rank gets here; on error, skip the barrier (it would hang
+            # on the ranks that did not fail) and just drop the process group.
+            if sys.exc_info()[0] is None:
+                with contextlib.suppress(Exception):
+                    dist.barrier()
+            dist.destroy_process_group()
+
+
+def require_launcher(ctx: Dist, script: str, min_world: int = 2):
+    """For the multi-rank lessons: say how to launch them instead of running alone."""
+    if ctx.world_size < min_world:
+        raise UserError(f"{script} needs at least {min_world} ranks; launch it with "
+                        f"torchrun --nproc-per-node 4 {script}")

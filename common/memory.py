@@ -1,0 +1,374 @@
+"""Where the bytes go: a categorised timeline of live tensor memory, on CPU and CUDA alike.
+
+How it works. During a few recorded steps a ``TorchDispatchMode`` sees the output of every
+ATen op; each output storage that is new to us is an allocation, and a weak reference to
+it tells us when it is freed. Each storage is then put in one category:
+
+- parameters, gradients, optimizer state: found by walking ``model.parameters()``,
+  ``p.grad`` and ``optimizer.state`` at phase boundaries (a gradient is recognised when
+  backward hands it to ``p.grad``, and the whole life of its storage counts as gradient);
+- activations: allocated in the forward pass and still alive when backward starts, i.e.
+  what autograd kept for the backward pass;
+- other: everything else: forward temporaries, gradients of activations, optimizer
+  temporaries, communication buffers, rotary tables, the input batch.
+
+The phase of each op is known without the training loop's help: backward ops run inside
+an autograd graph task, optimizer ops between the optimizer's step hooks, and the rest is
+forward. The x axis of the figure counts allocation and free events, like
+pytorch.org/memory_viz, so the picture is the same on a fast GPU and a slow CPU.
+
+On CUDA the allocator's own history is recorded too (one pickle per rank, to open at
+pytorch.org/memory_viz) and the figure states the allocator's peak beside ours. We count
+tensor bytes; the allocator rounds each block up to 512 bytes and caches freed blocks, so
+its ``max_memory_allocated`` is a little higher and ``nvidia-smi`` higher still.
+
+We do not build on ``torch.profiler``'s ``export_memory_timeline``: it is deprecated and
+mislabels optimizer temporaries.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "other")
+COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
+          "activations": "#C44E52", "other": "#8C8C8C"}
+STACK_ORDER = ("parameters", "optimizer state", "gradients", "activations", "other")  # persistent at the bottom
+PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "optimizer": "#404040"}
+_SCANNED = CATEGORIES[:3]  # categories found by walking the model and the optimizer
+
+
+def _plain_tensors(obj):
+    """The plain tensors behind obj, looking inside DTensor and other wrapper subclasses."""
+    for t in tree_leaves(obj):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            yield from _plain_tensors([getattr(t, a) for a in attrs])
+        else:
+            yield t
+
+
+class _Record:
+    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref")
+
+    def __init__(self, nbytes, alloc):
+        self.nbytes, self.alloc, self.free = nbytes, alloc, None
+        self.category, self.activation, self.ref = None, False, None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracer._on_op(out)
+        return out
+
+
+class MemoryTracer:
+    """Records steps ``start .. start+steps-1`` of a training loop; does nothing otherwise.
+
+    Use: ``with tracer.record(step): <one optimizer step>`` and, after the loop,
+    ``tracer.save(out_dir, ctx)``. ``tag(tensors, category)`` classifies tensors the
+    default walk cannot know about (FSDP's unsharded parameters, for example).
+    """
+
+    def __init__(self, models, optimizers, device, enabled=True, start=1, steps=2):
+        self.models = list(models) if isinstance(models, (list, tuple)) else [models]
+        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        self.device = torch.device(device)
+        self.enabled, self.start, self.steps = enabled, start, steps
+        self.active = False
+        self.result: dict | None = None
+        self._hooks = []
+        self._live: dict[int, _Record] = {}
+        self._records: list[_Record] = []
+        self._t = 0
+        self._phase = None
+        self._in_optimizer = False
+        self._forward_start = 0
+        self.phases: list[tuple[int, str]] = []
+        self.step_marks: list[tuple[int, int]] = []
+        self._mode = None
+        self._cuda_history = False
+
+    # ---- what the training loop calls -------------------------------------------------
+    def will_record(self, step: int) -> bool:
+        return self.enabled and self.start <= step < self.start + self.steps
+
+    @contextlib.contextmanager
+    def record(self, step: int):
+        if not self.will_record(step):
+            yield
+            return
+        if not self.active:
+            self._begin()
+        self.step_marks.append((self._t, step))
+        with self._mode:
+            yield
+        self._set_phase(None)
+        if step == self.start + self.steps - 1:
+            self._end()
+
+    def tag(self, tensors, category: str):
+        """Put the storages of ``tensors`` in ``category`` (while recording)."""
+        if self.active:
+            for t in _plain_tensors(tensors):
+                rec = self._track(t)
+                if rec is not None:
+                    rec.category = category
+
+    # ---- recording ----------------------------------------------------------------------
+    def _begin(self):
+        self.active = True
+        for opt in self.optimizers:
+            self._hooks.append(opt.register_step_pre_hook(self._optimizer_pre))
+            self._hooks.append(opt.register_step_post_hook(self._optimizer_post))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            if hasattr(torch.cuda.memory, "_record_memory_history"):
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                self._cuda_history = True
+        # Everything alive now (weights, optimizer state, buffers) enters at t = 0.
+        for cat, tensors in [*self._scanned_tensors(), ("other", _plain_tensors(
+                [b for m in self.models for b in m.buffers()]))]:
+            for t in tensors:
+                rec = self._track(t, preexisting=True)
+                if rec is not None and rec.category is None:
+                    rec.category = cat
+        self._mode = _Mode(self)
+
+    def _end(self):
+        self.active = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        end = self._t
+        for rec in self._live.values():
+            rec.ref = None  # stop listening for frees
+        self._live.clear()
+        allocator_peak = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            allocator_peak = torch.cuda.max_memory_allocated(self.device)
+        self.result = self._timeline(end, allocator_peak)
+        self._records.clear()
+
+    def _scanned_tensors(self):
+        params = [p for m in self.models for p in m.parameters()]
+        yield "parameters", _plain_tensors(params)
+        yield "gradients", _plain_tensors([p.grad for p in params if p.grad is not None])
+        yield "optimizer state", _plain_tensors([list(s.values()) for opt in self.optimizers
+                                                 for s in opt.state.values()])
+
+    def _scan(self):
+        """Classify the live storages that belong to the model or the optimizer."""
+        for cat, tensors in self._scanned_tensors():
+            for t in tensors:
+                rec = self._live.get(self._key(t))
+                if rec is not None and rec.category is None:
+                    rec.category = cat
+
+    def _key(self, t):
+        return t.untyped_storage()._cdata
+
+    def _track(self, t: torch.Tensor, preexisting: bool = False):
+        if t.device.type != self.device.type or t.is_meta:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        key = st._cdata
+        rec = self._live.get(key)
+        if rec is None:
+            rec = _Record(st.nbytes(), 0 if preexisting else self._t)
+            self._t += 0 if preexisting else 1
+            rec.ref = weakref.ref(st, lambda _, k=key: self._on_free(k))
+            self._live[key] = rec
+            self._records.append(rec)
+        return rec
+
+    def _on_free(self, key):
+        rec = self._live.pop(key, None)
+        if rec is not None and self.active:
+            rec.free = self._t
+            self._t += 1
+
+    def _optimizer_pre(self, *_):
+        self._scan()  # backward is over: gradients are in p.grad now
+        self._in_optimizer = True
+        self._set_phase("optimizer")
+
+    def _optimizer_post(self, *_):
+        self._scan()  # optimizer state appears in the first step
+        self._in_optimizer = False
+
+    def _set_phase(self, phase):
+        if phase == self._phase:
+            return
+        if phase == "backward":  # what the forward pass left alive is kept for backward
+            for rec in self._live.values():
+                if rec.alloc >= self._forward_start:
+                    rec.activation = True
+        if self._phase == "backward":
+            self._scan()
+        if phase == "forward":
+            self._forward_start = self._t
+        self._phase = phase
+        if self.phases and self.phases[-1][0] == self._t:
+            self.phases.pop()  # the previous phase saw no allocation: drop the empty span
+        self.phases.append((self._t, phase))  # None: between steps
+
+    def _on_op(self, out):
+        tensors = list(_plain_tensors(out))
+        if not tensors:  # profiler markers and the like: no memory, no phase change
+            return
+        if self._in_optimizer:
+            phase = "optimizer"
+        elif torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        else:
+            phase = "forward"
+        self._set_phase(phase)
+        for t in tensors:
+            self._track(t)
+
+    # ---- the result ---------------------------------------------------------------------
+    def _timeline(self, end: int, allocator_peak) -> dict:
+        n = end + 1
+        deltas = np.zeros((len(CATEGORIES), n + 1), dtype=np.int64)
+        for rec in self._records:
+            cat = rec.category or ("activations" if rec.activation else "other")
+            i = CATEGORIES.index(cat)
+            deltas[i, rec.alloc] += rec.nbytes
+            if rec.free is not None:
+                deltas[i, rec.free] -= rec.nbytes
+        live = np.cumsum(deltas[:, :n], axis=1)
+        total = live.sum(0)
+        peak_at = int(total.argmax())
+        return {
+            "device": str(self.device),
+            "events": n,
+            "peak_bytes": int(total[peak_at]),
+            "peak_event": peak_at,
+            "at_peak": {c: int(live[i, peak_at]) for i, c in enumerate(CATEGORIES)},
+            "peak_by_category": {c: int(live[i].max()) for i, c in enumerate(CATEGORIES)},
+            "allocator_peak_bytes": allocator_peak,
+            "phases": self.phases,
+            "steps": self.step_marks,
+            "series": _downsample(live, peak_at),
+        }
+
+    # ---- output -------------------------------------------------------------------------
+    def save(self, out_dir, ctx, title: str, ymax: float | None = None, name: str = "memory_trace"):
+        """Gather every rank's timeline to rank 0; write the figure and the JSON there.
+
+        On CUDA each rank also writes its own allocator snapshot pickle.
+        Returns the list of per-rank results on rank 0 (None elsewhere, or if nothing was
+        recorded).
+        """
+        if not self.enabled:
+            return None
+        out_dir = Path(out_dir)
+        if self._cuda_history:
+            torch.cuda.memory._dump_snapshot(str(out_dir / f"memory_snapshot_rank{ctx.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._cuda_history = False
+        mine = dict(self.result or {}, rank=ctx.rank)
+        if dist.is_initialized() and ctx.world_size > 1:
+            gathered = [None] * ctx.world_size if ctx.is_main else None
+            dist.gather_object(mine, gathered, dst=0)
+        else:
+            gathered = [mine]
+        if not ctx.is_main:
+            return None
+        if any("series" not in g for g in gathered):
+            return None  # the run ended before the recorded steps
+        (out_dir / f"{name}.json").write_text(json.dumps(
+            [{k: v for k, v in g.items() if k != "series"} | {"series": g["series"]} for g in gathered]))
+        render(gathered, out_dir / f"{name}.png", title=title, ymax=ymax)
+        return gathered
+
+
+def _downsample(live: np.ndarray, peak_at: int, max_points: int = 3000) -> dict:
+    """At most max_points events, keeping each bucket's highest point and the peak."""
+    n = live.shape[1]
+    if n <= max_points:
+        idx = np.arange(n)
+    else:
+        total = live.sum(0)
+        edges = np.linspace(0, n, max_points + 1).astype(int)
+        idx = np.array([a + int(total[a:b].argmax()) for a, b in zip(edges[:-1], edges[1:]) if b > a])
+        idx = np.union1d(np.union1d(idx, [0, n - 1]), [peak_at])
+    return {"event": idx.tolist(), **{c: live[i, idx].tolist() for i, c in enumerate(CATEGORIES)}}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(traces: list[dict], path, title: str, ymax: float | None = None):
+    """A stacked-area figure, one panel per rank, phases shaded, the peak annotated."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    peak = max(t["peak_bytes"] for t in traces)
+    top = ymax or peak
+    scale, unit = ((2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (2**10, "KiB"))
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
+    for ax, t in zip(axes[:, 0], traces):
+        s = t["series"]
+        x = np.asarray(s["event"])
+        ys = [np.asarray(s[c]) / scale for c in STACK_ORDER]
+        ax.stackplot(x, ys, colors=[COLORS[c] for c in STACK_ORDER], step="post", linewidth=0)
+        end = t["events"] - 1
+        spans = t["phases"] + [(end, None)]
+        for (a, ph), (b, _) in zip(spans[:-1], spans[1:]):
+            if ph is None:
+                continue
+            ax.axvspan(a, b, ymin=0.955, ymax=1.0, color=PHASE_COLORS[ph], linewidth=0)
+            if b - a > 0.06 * end:
+                ax.text((a + b) / 2, 0.977, ph, transform=ax.get_xaxis_transform(), fontsize=7, ha="center",
+                        va="center", color="white" if ph != "forward" else "black")
+        for ev, step in t["steps"]:
+            ax.axvline(ev, color="k", linestyle=":", linewidth=0.8)
+            ax.text(ev, 0.93, f" step {step}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
+        pk, pe = t["peak_bytes"], t["peak_event"]
+        ax.plot([pe], [pk / scale], marker="v", color="k", markersize=6)
+        ax.text(pe, pk / scale, f" peak {fmt_bytes(pk)}", fontsize=8, va="bottom")
+        lines = [f"at the peak ({fmt_bytes(pk)}):"] + [f"{c}: {fmt_bytes(b)}" for c, b in t["at_peak"].items() if b]
+        if t.get("allocator_peak_bytes"):
+            lines.append(f"CUDA allocator peak: {fmt_bytes(t['allocator_peak_bytes'])}")
+        ax.text(0.995, 0.9, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
+        ax.set_xlim(0, end)
+        ax.set_ylim(0, top / scale * 1.25)
+        ax.set_ylabel(f"live memory ({unit})")
+        label = f"rank {t['rank']}" if len(traces) > 1 else t["device"]
+        ax.set_title(label, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("allocation / free events")
+    handles = [Patch(color=COLORS[c], label=c) for c in reversed(STACK_ORDER)]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.06 if len(traces) > 1 else 0.1, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

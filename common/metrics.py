@@ -1,0 +1,151 @@
+"""Throughput, MFU, peak memory, the progress bar and the files a run leaves behind.
+
+Outputs in ``--out`` (rank 0 writes them; every rank's numbers are in them):
+- ``metrics.jsonl``: one line per optimizer step: step, loss (the global-batch mean),
+  lr, step_time_s, tokens_per_s, peak_mem_bytes (+ its source), mfu where known, traced;
+- ``summary.json``: the run in one object, including per-rank peak memory by category.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import torch
+from tqdm import tqdm
+
+from common.memory import CATEGORIES, fmt_bytes
+from common.model import count_params, flops_per_token
+
+# Dense (no sparsity) peak FLOP/s per GPU from the vendor's data sheets. fp32 is the
+# plain CUDA-core rate; tf32 applies to fp32 matmuls only when TF32 is switched on.
+PEAK_FLOPS = {
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
+    """(peak FLOP/s, device name); None where we do not know the device's peak."""
+    if device.type != "cuda":
+        return None, "CPU"
+    name = torch.cuda.get_device_name(device)
+    if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        dtype = "tf32"
+    for key in ("H100 PCIe", "H100", "H200", "A100"):  # most specific first
+        if all(part in name for part in key.split()):
+            return PEAK_FLOPS[key][dtype], name
+    return None, name
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """The step's peak memory: the CUDA allocator's, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_peak_rss"
+
+
+class Metrics:
+    def __init__(self, args, ctx, optimizer=None, parallel: dict | None = None, dtype: str = "fp32",
+                 n_params: int | None = None):
+        self.args, self.ctx, self.optimizer, self.dtype = args, ctx, optimizer, dtype
+        self.cfg = args.model_config
+        self.parallel = parallel or {"dp": ctx.world_size}
+        self.n_params = n_params or count_params(self.cfg)
+        self.tokens_per_step = args.global_batch_size * args.seq_len
+        self.flops_per_step = flops_per_token(self.cfg, args.seq_len) * self.tokens_per_step
+        self.peak, self.device_name = peak_flops(ctx.device, dtype)
+        self.rows: list[dict] = []
+        self.bar = None
+        self._t = None
+        if ctx.is_main:
+            args.out.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(args.out / "metrics.jsonl", "w")
+
+    def progress(self):
+        """Step numbers 0..steps-1, with a progress bar on rank 0 only."""
+        self.bar = tqdm(range(self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
+                        unit="step", dynamic_ncols=True)
+        self._start()
+        return self.bar
+
+    def _start(self):
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        self._t = time.perf_counter()
+
+    def log(self, step: int, loss: torch.Tensor | float, traced: bool = False, **extra):
+        """Record one optimizer step (call it before the LR scheduler steps).
+
+        ``loss`` must already be the global-batch mean."""
+        # .item() waits for the device, so the step time below is real
+        loss = loss.detach().item() if isinstance(loss, torch.Tensor) else float(loss)
+        dt = time.perf_counter() - self._t
+        mem, mem_source = peak_memory(self.ctx.device)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
+        row = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt, "peak_mem_bytes": mem,
+               "peak_mem_source": mem_source, "traced": traced, **extra}
+        if self.peak:
+            row["mfu"] = self.flops_per_step / dt / (self.peak * self.ctx.world_size)
+        self.rows.append(row)
+        if self.ctx.is_main:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        self._start()
+
+    def throughput(self) -> tuple[float, float]:
+        """Mean step time and tokens/s, leaving out the first step (warm-up) and traced steps."""
+        rows = [r for r in self.rows[1:] if not r["traced"]] or self.rows
+        dt = sum(r["step_time_s"] for r in rows) / len(rows)
+        return dt, self.tokens_per_step / dt
+
+    def finish(self, memory: list[dict] | None = None, val_loss: float | None = None, **extra) -> dict | None:
+        """Write summary.json and print the end-of-run table (rank 0)."""
+        if self.bar is not None:
+            self.bar.close()
+        if not self.ctx.is_main:
+            return None
+        self._jsonl.close()
+        dt, tps = self.throughput()
+        summary = {
+            "script": self.args.script, "model": self.args.model, "model_config": self.cfg.as_dict(),
+            "world_size": self.ctx.world_size, "parallel": self.parallel, "device": str(self.ctx.device),
+            "device_name": self.device_name, "backend": self.ctx.backend, "dtype": self.dtype,
+            "n_params": self.n_params, "steps": self.args.steps,
+            "global_batch_size": self.args.global_batch_size, "seq_len": self.args.seq_len,
+            "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"], "val_loss": val_loss,
+            "step_time_s": dt, "tokens_per_s": tps,
+            "mfu": self.flops_per_step / dt / (self.peak * self.ctx.world_size) if self.peak else None,
+            "flops_per_token": flops_per_token(self.cfg, self.args.seq_len),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in self.rows),
+            "peak_mem_source": self.rows[-1]["peak_mem_source"],
+            "memory": [{"rank": m["rank"], "peak_bytes": m["peak_bytes"], "at_peak": m["at_peak"],
+                        "peak_by_category": m["peak_by_category"],
+                        "allocator_peak_bytes": m["allocator_peak_bytes"]} for m in memory or []],
+            **extra,
+        }
+        (self.args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self._print_table(summary)
+        return summary
+
+    def _print_table(self, s: dict):
+        lines = [
+            ("model", f"{s['model']} ({s['n_params'] / 1e6:.2f}M parameters)"),
+            ("device", f"{s['device_name']} x {s['world_size']} ({s['backend']}), {s['dtype']}"),
+            ("loss", f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"
+                     + (f" (validation {s['val_loss']:.3f})" if s["val_loss"] is not None else "")),
+            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step"),
+            ("MFU", f"{s['mfu']:.1%}" if s["mfu"] else f"n/a (no known peak FLOP/s for {s['device_name']})"),
+        ]
+        for m in s["memory"]:
+            who = f"rank {m['rank']} " if len(s["memory"]) > 1 else ""
+            lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])} = " + " + ".join(
+                f"{c} {fmt_bytes(m['at_peak'][c])}" for c in CATEGORIES if m["at_peak"][c])))
+            if m["allocator_peak_bytes"]:
+                lines.append((f"{who}CUDA allocator peak", fmt_bytes(m["allocator_peak_bytes"])))
+        width = max(len(k) for k, _ in lines)
+        print("\n".join(f"  {k:<{width}}  {v}" for k, v in lines), flush=True)
+        print(f"  outputs in {self.args.out}/", flush=True)
