@@ -1,0 +1,127 @@
+"""Count the bytes each rank communicates, by collective, for any parallel strategy.
+
+``CommCounter`` is a ``TorchDispatchMode`` that watches the c10d ops (what DDP's reducer,
+``dist.*`` calls and pipeline send/recv dispatch to) and the functional collectives
+(what DTensor, tensor parallelism and FSDP2 use). For each call it records the *logical*
+size of the collective: the bytes of the whole tensor it works on, as the formulas in the
+README count them:
+
+- all_reduce, broadcast, send, recv, all_to_all: the tensor's bytes;
+- all_gather: the gathered (output) bytes, i.e. the full unsharded tensor;
+- reduce_scatter: the input bytes, i.e. the full tensor before scattering.
+
+``wire_bytes`` adds what a ring algorithm actually sends per rank: 2(n-1)/n of the size
+for all_reduce, (n-1)/n for all_gather and reduce_scatter, the size itself for
+point-to-point and broadcast (the root's cost, an upper bound for the others).
+
+``torch.distributed``'s ``CommDebugMode`` counts calls but not bytes and fails under
+pipeline parallelism, hence this small counter.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# op name (without overload) -> (collective, where its logical size is: an argument's
+# index, or "out" for the op's result). c10d ops take (outputs, inputs, group, ...) where
+# they have both, and a single tensor list first otherwise.
+_OPS = {
+    # c10d ops: ProcessGroup methods (DDP's reducer, dist.all_reduce(...), pipelining p2p)
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "allgather_": ("all_gather", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0),
+    "alltoall_": ("all_to_all", 1),
+    "alltoall_base_": ("all_to_all", 1),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
+    "reduce_": ("reduce", 0),
+    "gather_": ("gather", 1),
+    "scatter_": ("scatter", 0),
+    # functional collectives (DTensor, tensor parallel, FSDP2)
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
+    "all_gather_into_tensor": ("all_gather", "out"),
+    "all_gather_into_tensor_out": ("all_gather", "out"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "out"),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast": ("broadcast", 0),
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+RING_FACTOR = {  # bytes a rank sends in a ring algorithm, per logical byte
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+
+def _nbytes(obj) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+
+
+def _group_size(args) -> int:
+    """The size of the process group an op runs on (its ProcessGroup or group name arg)."""
+    for a in args:
+        if isinstance(a, dist.ProcessGroup):
+            return a.size()
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return a.size()
+            except Exception:  # noqa: BLE001 - not a process group
+                pass
+    for a in args:
+        if isinstance(a, str):
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+                return _resolve_process_group(a).size()
+            except Exception:  # noqa: BLE001
+                pass
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class CommCounter(TorchDispatchMode):
+    """``with CommCounter() as comm: ...`` then ``comm.bytes`` = {collective: logical bytes}."""
+
+    def __init__(self):
+        super().__init__()
+        self.reset()
+
+    def reset(self):
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.wire: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ns = func.namespace
+        name = func._schema.name.split("::")[-1]
+        if ns in _NAMESPACES and name in _OPS:
+            kind, where = _OPS[name]
+            if where == "out":
+                size = _nbytes(out[0] if isinstance(out, tuple) and name.endswith("_out") else out)
+            else:
+                size = _nbytes(args[where])
+            n = _group_size(list(args) + list(kwargs.values()))
+            self.bytes[kind] += size
+            self.wire[kind] += size * RING_FACTOR.get(kind, lambda _: 1.0)(n)
+            self.calls[kind] += 1
+        return out
+
+    def summary(self, per: int = 1) -> dict:
+        """Per-collective {'calls', 'bytes', 'wire_bytes'}, divided by ``per`` (e.g. steps)."""
+        return {k: {"calls": self.calls[k] / per, "bytes": self.bytes[k] / per, "wire_bytes": self.wire[k] / per}
+                for k in sorted(self.bytes)}
