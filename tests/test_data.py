@@ -1,0 +1,116 @@
+import itertools
+
+import pytest
+import torch
+
+from common.data import Batches, TokenWindows, load_corpus
+from common.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return load_corpus("stdlib")
+
+
+def _global_batches(tokens, world, n, seq_len=32, gbs=12, seed=0):
+    """The first n global batches as seen by `world` ranks: one set of rows per step."""
+    iters = [iter(Batches(tokens, seq_len, gbs, dp_rank=r, dp_size=world, seed=seed)) for r in range(world)]
+    out = []
+    for _ in range(n):
+        per_rank = [next(it) for it in iters]
+        out.append(per_rank)
+    return out
+
+
+def _rows(per_rank):
+    return sorted(tuple(row.tolist()) for x, _ in per_rank for row in x)
+
+
+def test_stdlib_corpus_is_real_deterministic_python(stdlib):
+    again = load_corpus("stdlib")
+    assert torch.equal(stdlib.train, again.train) and torch.equal(stdlib.val, again.val)
+    assert len(stdlib.train) > 5_000_000
+    text = bytes(stdlib.train[:200_000].tolist()).decode("utf-8", errors="replace")
+    assert "def " in text and "import " in text
+    assert stdlib.train_files == sorted(stdlib.train_files)
+
+
+def test_validation_split_never_overlaps_training(stdlib):
+    assert stdlib.val_files and not set(stdlib.val_files) & set(stdlib.train_files)
+    assert 0.02 < len(stdlib.val) / (len(stdlib.train) + len(stdlib.val)) < 0.10
+
+
+def test_targets_are_inputs_shifted_by_one():
+    tokens = torch.arange(100, dtype=torch.uint8)
+    ds = TokenWindows(tokens, 10)
+    x, y = ds[3]
+    assert x.tolist() == list(range(30, 40)) and y.tolist() == list(range(31, 41))
+    assert len(ds) == 9  # windows need seq_len + 1 bytes
+
+
+def test_every_world_size_sees_the_same_global_batches(stdlib):
+    tokens = stdlib.train[:200_000]
+    reference = [_rows(b) for b in _global_batches(tokens, 1, 4)]
+    for world in (2, 3, 4):
+        got = [_rows(b) for b in _global_batches(tokens, world, 4)]
+        assert got == reference, f"world size {world}"
+
+
+def test_sharding_is_disjoint_and_complete_within_an_epoch():
+    tokens = torch.randint(0, 256, (24 * 32 + 1,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    n_samples = len(TokenWindows(tokens, 32))  # 24
+    for world in (1, 2, 3, 4):
+        seen = []
+        for rank in range(world):
+            b = Batches(tokens, 32, 12, dp_rank=rank, dp_size=world, seed=1)
+            seen += list(itertools.islice(iter(b.sampler), len(b.sampler)))
+        assert sorted(seen) == list(range(n_samples)), f"world size {world}"
+
+
+def test_each_epoch_is_a_new_shuffle_and_the_seed_matters():
+    tokens = torch.randint(0, 256, (24 * 32 + 1,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    it = iter(Batches(tokens, 32, 12, seed=1))
+    epoch0 = [next(it)[0] for _ in range(2)]
+    epoch1 = [next(it)[0] for _ in range(2)]
+    assert not torch.equal(torch.cat(epoch0), torch.cat(epoch1))
+    assert sorted(map(tuple, torch.cat(epoch0).tolist())) == sorted(map(tuple, torch.cat(epoch1).tolist()))
+    other_seed = next(iter(Batches(tokens, 32, 12, seed=2)))[0]
+    assert not torch.equal(other_seed, epoch0[0])
+
+
+def test_path_file_and_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 500)
+    (tmp_path / "sub").mkdir()
+    for i in range(25):
+        (tmp_path / "sub" / f"{i}.txt").write_text(f"file {i}\n" * 100)
+    one = load_corpus(str(tmp_path / "a.txt"))
+    assert len(one.train) + len(one.val) == 6000 and len(one.val) > 0
+    folder = load_corpus(str(tmp_path))
+    assert len(folder.train_files) + len(folder.val_files) == 26
+    assert not set(folder.train_files) & set(folder.val_files)
+
+
+def test_synthetic_is_seeded_random_bytes():
+    a, b, c = load_corpus("synthetic", seed=0), load_corpus("synthetic", seed=0), load_corpus("synthetic", seed=1)
+    assert torch.equal(a.train, b.train) and not torch.equal(a.train, c.train)
+    assert a.train.float().std() > 60  # uniform over 0..255
+
+
+def test_missing_and_empty_paths_are_one_line_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file or folder") as e:
+        load_corpus(str(tmp_path / "nope"))
+    assert "\n" not in str(e.value)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="the text is empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UserError, match="found no files"):
+        load_corpus(str(tmp_path / "d"))
+
+
+def test_batch_that_does_not_divide_among_ranks_is_an_error():
+    tokens = torch.zeros(10_000, dtype=torch.uint8)
+    with pytest.raises(UserError, match="does not divide among 3 data-parallel ranks"):
+        Batches(tokens, 32, 8, dp_rank=0, dp_size=3)
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        Batches(tokens[:100], 32, 8)

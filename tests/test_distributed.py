@@ -1,0 +1,58 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.distributed import resolve_device
+from common.errors import UserError
+from conftest import ROOT
+
+DRIVER = str(ROOT / "tests" / "dist_driver.py")
+
+
+def _torchrun(n, *args, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), DRIVER, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="4 ranks per node but only 1 visible GPU"):
+        resolve_device("auto", local_rank=2, local_world_size=4)
+    assert resolve_device("cpu", 2, 4) == torch.device("cpu")
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no CUDA GPU is visible"):
+        resolve_device("cuda", 0, 1)
+    assert resolve_device("auto", 0, 1) == torch.device("cpu")
+
+
+def test_plain_python_is_world_size_one(tmp_path):
+    r = subprocess.run([sys.executable, DRIVER, "ok", str(tmp_path / "r")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "r.0.json").read_text())
+    assert got["world"] == 1 and not got["launched"] and got["sum"] == 0
+
+
+def test_torchrun_ranks_meshes_and_misuse(tmp_path):
+    ok = _torchrun(4, "ok", str(tmp_path / "r"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    got = [json.loads((tmp_path / f"r.{i}.json").read_text()) for i in range(4)]
+    assert [g["rank"] for g in got] == [0, 1, 2, 3]
+    assert all(g["world"] == 4 and g["backend"] == "gloo" and g["sum"] == 6 for g in got)
+    assert all(g["mesh"] == 4 and g["mesh2d"] == [2, 2] for g in got)
+    assert ok.stdout.count("only rank 0 prints this") == 1
+
+    bad = _torchrun(2, "bad_mesh")
+    assert bad.returncode != 0
+    assert "error: a 3 x 3 mesh (dp, tp) needs 9 ranks but 2 were launched" in bad.stderr
+
+    fails = _torchrun(2, "one_rank_fails", timeout=120)  # a hang here would time out
+    assert fails.returncode != 0
+    assert "[rank 1] error: rank 1 cannot go on" in fails.stderr

@@ -1,0 +1,86 @@
+import json
+from types import SimpleNamespace
+
+import matplotlib.image
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from common.memory import MemoryTracer
+from common.model import build_model, count_params, get_config
+
+CTX = SimpleNamespace(rank=0, world_size=1, is_main=True)
+
+
+def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None):
+    torch.manual_seed(0)
+    cfg = get_config("debug")
+    model = build_model(cfg, "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if seen_modes is not None:
+        model.register_forward_pre_hook(lambda *_: seen_modes.append(len(_get_current_dispatch_mode_stack())))
+    tracer = MemoryTracer(model, opt, "cpu", enabled=enabled, start=start, steps=n)
+    data = torch.randint(0, 256, (steps, batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(steps):
+        with tracer.record(step):
+            x, y = data[step, :, :-1], data[step, :, 1:]
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return tracer, model, opt, losses
+
+
+def test_model_state_bytes_are_exactly_the_formula():
+    tracer, model, opt, _ = _train()
+    n = count_params(get_config("debug"))
+    n_tensors = len(list(model.parameters()))
+    peaks = tracer.result["peak_by_category"]
+    assert peaks["parameters"] == 4 * n
+    assert peaks["gradients"] == 4 * n
+    # AdamW: exp_avg + exp_avg_sq in fp32 (8 bytes per parameter), plus one 4-byte fp32
+    # `step` counter per parameter tensor (on CPU it is a tensor on the same device)
+    assert peaks["optimizer state"] == 8 * n + 4 * n_tensors
+    assert tracer.result["at_peak"]["activations"] > 0
+
+
+def test_phases_are_marked_in_order():
+    tracer, *_ = _train(n=2)
+    phases = [p for _, p in tracer.result["phases"] if p]
+    assert phases == ["forward", "backward", "optimizer"] * 2
+    assert [s for _, s in tracer.result["steps"]] == [1, 2]
+    # the peak of a plain step falls at the end of forward / start of backward
+    fwd_start, bwd_start, opt_start = (e for e, p in tracer.result["phases"][:3])
+    assert fwd_start < tracer.result["peak_event"] <= opt_start
+
+
+def test_activations_grow_with_batch_size():
+    small = _train(batch=2)[0].result["peak_by_category"]["activations"]
+    large = _train(batch=8)[0].result["peak_by_category"]["activations"]
+    assert 3.5 < large / small < 4.2  # four times the tokens, nearly four times the bytes
+
+
+def test_the_figure_is_a_real_png_and_the_json_has_every_category(tmp_path):
+    tracer, *_ = _train(n=2)
+    traces = tracer.save(tmp_path, CTX, title="test")
+    png = tmp_path / "memory_trace.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(png)
+    assert img.shape[0] > 300 and img.shape[1] > 600 and img[..., :3].std() > 0.05  # not blank
+    saved = json.loads((tmp_path / "memory_trace.json").read_text())
+    assert saved[0]["peak_by_category"] == traces[0]["peak_by_category"]
+    assert set(saved[0]["series"]) == {"event", "parameters", "gradients", "optimizer state", "activations", "other"}
+
+
+def test_recording_off_adds_nothing(tmp_path):
+    seen_off, seen_on = [], []
+    tracer, _, opt, losses_off = _train(enabled=False, seen_modes=seen_off)
+    assert seen_off == [0, 0, 0]                 # no dispatch mode ever ran
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert tracer.save(tmp_path, CTX, title="off") is None and not list(tmp_path.iterdir())
+    tracer, _, opt, losses_on = _train(enabled=True, start=1, n=1, seen_modes=seen_on)
+    assert seen_on == [0, 1, 0]                  # only the recorded step, and cleaned up after
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert losses_on == losses_off               # recording does not change the numbers
