@@ -8,11 +8,14 @@ stay). Runs go to runs/figs/<run name>/.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.memory import fmt_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,16 +46,76 @@ CHAPTER3A: list[Run] = []
 CHAPTER3B: list[Run] = []
 
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B
-POST_STEPS = []  # callables(device_suffix) that draw figures from several runs' outputs
+
+
+def run_dir(name: str, suffix: str = "") -> Path:
+    return ROOT / "runs" / "figs" / (name + suffix)
+
+
+def summary(name: str, suffix: str = "") -> dict:
+    return json.loads((run_dir(name, suffix) / "summary.json").read_text())
+
+
+def n_param_tensors(s: dict) -> int:
+    # embedding + 9 per block (4 attention, 3 MLP, 2 norms) + final norm + output
+    return 9 * s["model_config"]["n_layers"] + 3
+
+
+def chapter1_table(suffix: str) -> dict[str, str]:
+    """The memory anatomy of the baseline: measured bytes beside 4N / 4N / 8N."""
+    s = summary("baseline", suffix)
+    n, mem = s["n_params"], s["memory"][0]
+    peak, at = mem["peak_by_category"], mem["at_peak"]
+    rows = [
+        ("parameters", "4 N", 4 * n, peak["parameters"]),
+        ("gradients", "4 N", 4 * n, peak["gradients"]),
+        # On CPU AdamW keeps a 4-byte `step` counter per parameter tensor beside its state
+        # (on CUDA that counter lives on the CPU, outside the GPU's bytes).
+        ("optimizer state (AdamW)", "8 N" + (" + 4 B x tensors" if s["device"] == "cpu" else ""),
+         8 * n + (4 * n_param_tensors(s) if s["device"] == "cpu" else 0), peak["optimizer state"]),
+        ("activations", "grows with batch x seq", None, peak["activations"]),
+        ("other (temporaries)", "", None, peak["other"]),
+    ]
+    lines = ["| category | formula | predicted | measured peak | at the step's peak |", "|---|---|---|---|---|"]
+    for (name, formula, pred, got), cat in zip(rows, ("parameters", "gradients", "optimizer state",
+                                                      "activations", "other")):
+        exact = (lambda b: f"{b:,} B") if pred else fmt_bytes  # model state: to the byte
+        lines.append(f"| {name} | {formula} | {exact(pred) if pred else ''} | {exact(got)} | "
+                     f"{fmt_bytes(at[cat])} |")
+    lines.append(f"| **total** | | | | **{fmt_bytes(mem['peak_bytes'])}** |")
+    lines.append("")
+    lines.append(f"N = {n:,} parameters ({s['model']} preset), batch {s['global_batch_size']} x "
+                 f"{s['seq_len']} tokens, fp32, {s['device_name']}; "
+                 f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.0f} ms/step, loss "
+                 f"{s['first_loss']:.2f} -> {s['final_loss']:.2f} in {s['steps']} steps.")
+    return {"table-01" + suffix: "\n".join(lines)}
+
+
+# callables(suffix) -> {README marker: markdown}; each draws on the runs above
+POST_STEPS = [chapter1_table]
+
+
+def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
+    """Replace the text between <!-- BEGIN name --> and <!-- END name --> markers."""
+    text = readme.read_text()
+    for name, body in tables.items():
+        begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+        if begin not in text:
+            print(f"README.md has no {begin} marker; table {name} not written", flush=True)
+            continue
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{body}\n{end}{tail}"
+    readme.write_text(text)
 
 
 def launch(run: Run, out: Path, device: str):
-    cmd = [sys.executable, str(ROOT / run.script)]
-    if run.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
-               str(ROOT / run.script)]
-    cmd += run.flags + ["--out", str(out), "--device", device]
-    print("$", " ".join(cmd[1:] if run.nproc > 1 else ["python", *cmd[1:]]), flush=True)
+    script = run.script
+    cmd = [sys.executable, script] if run.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}", script]
+    cmd += run.flags + ["--out", str(out.relative_to(ROOT)), "--device", device]
+    shown = ["python", *cmd[1:]] if run.nproc == 1 else ["torchrun", *cmd[3:]]
+    print("$", " ".join(shown), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
@@ -64,14 +127,19 @@ def main(argv=None):
     suffix = "" if args.device == "cpu" else "_cuda"
     todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)]
     for run in todo:
-        out = ROOT / "runs" / "figs" / (run.name + suffix)
+        out = run_dir(run.name, suffix)
         launch(run, out, args.device)
         for fig, src in run.figures.items():
             dest = ROOT / "figs" / fig.replace(".png", f"{suffix}.png")
             shutil.copyfile(out / src, dest)
             print(f"wrote {dest.relative_to(ROOT)}", flush=True)
+    tables = {}
     for post in POST_STEPS:
-        post(suffix, args.only)
+        try:
+            tables.update(post(suffix))
+        except FileNotFoundError as e:  # --only skipped the runs this table needs
+            print(f"skipped {post.__name__}: {e.filename} is missing", flush=True)
+    update_readme(tables)
 
 
 if __name__ == "__main__":

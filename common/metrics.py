@@ -30,7 +30,7 @@ PEAK_FLOPS = {
 def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
     """(peak FLOP/s, device name); None where we do not know the device's peak."""
     if device.type != "cuda":
-        return None, "CPU"
+        return None, cpu_name()
     name = torch.cuda.get_device_name(device)
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         dtype = "tf32"
@@ -38,6 +38,17 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
         if all(part in name for part in key.split()):
             return PEAK_FLOPS[key][dtype], name
     return None, name
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"CPU ({line.split(':', 1)[1].strip()})"
+    except OSError:
+        pass
+    return "CPU"
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
