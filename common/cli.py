@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from common import checkpoint
 from common.errors import UserError
 from common.model import PRESETS, get_config
 
@@ -33,6 +34,7 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--trace-steps", type=int, default=2, help="number of recorded steps (default: 2)")
     g.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches for the validation loss at the end (default: 4; 0 skips it)")
+    checkpoint.add_flags(p)
     return p
 
 
@@ -62,5 +64,6 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     if args.trace_memory and args.trace_start >= args.steps:
         raise UserError(f"--trace-start {args.trace_start} is past the last step ({args.steps - 1}); "
                         f"lower it, train longer, or pass --no-trace-memory.")
+    checkpoint.check_flags(args)
     args.out = Path(args.out or Path("runs") / args.script)
     return args

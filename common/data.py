@@ -120,7 +120,9 @@ class Batches:
     """An endless iterator over (inputs, targets) batches of this rank's share.
 
     ``set_epoch`` gives each pass over the data a new shuffle that every rank agrees on:
-    forget it and every epoch repeats the first one's order.
+    forget it and every epoch repeats the first one's order. ``state_dict`` is the
+    position (epoch, global batches consumed in it): the same on every rank and for any
+    world size, so a resumed run continues with exactly the batch it would have seen.
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch_size: int,
@@ -137,10 +139,21 @@ class Batches:
                                           shuffle=shuffle, seed=seed, drop_last=True)
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // dp_size,
                                  sampler=self.sampler, drop_last=True)
-        self.epoch = 0
+        self.epoch, self.position = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def __iter__(self):
         while True:
             self.sampler.set_epoch(self.epoch)
-            yield from self.loader
-            self.epoch += 1
+            batches = iter(self.loader)
+            for _ in range(self.position):  # resuming: skip what was already trained on
+                next(batches)
+            for batch in batches:
+                self.position += 1
+                yield batch
+            self.epoch, self.position = self.epoch + 1, 0

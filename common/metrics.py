@@ -71,14 +71,26 @@ class Metrics:
         self.rows: list[dict] = []
         self.bar = None
         self._t = None
-        if ctx.is_main:
-            args.out.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(args.out / "metrics.jsonl", "w")
+        self._jsonl = None
 
-    def progress(self):
-        """Step numbers 0..steps-1, with a progress bar on rank 0 only."""
-        self.bar = tqdm(range(self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
-                        unit="step", dynamic_ncols=True)
+    def progress(self, start: int = 0):
+        """Step numbers start..steps-1, with a progress bar on rank 0 only.
+
+        A resumed run (start > 0) keeps the lines of the steps before ``start`` in
+        metrics.jsonl and drops the later ones, which it is about to redo.
+        """
+        if self.ctx.is_main:
+            self.args.out.mkdir(parents=True, exist_ok=True)
+            path = self.args.out / "metrics.jsonl"
+            kept = []
+            if start > 0 and path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] < start]
+                self.rows = [json.loads(line) for line in kept]
+            self._jsonl = open(path, "w")
+            self._jsonl.writelines(line + "\n" for line in kept)
+        self.bar = tqdm(range(start, self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
+                        unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()
         return self.bar
 
@@ -101,6 +113,7 @@ class Metrics:
         if self.peak:
             row["mfu"] = self.flops_per_step / dt / (self.peak * self.ctx.world_size)
         self.rows.append(row)
+        self.last_loss = loss
         if self.ctx.is_main:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cli
+from common.checkpoint import Checkpointer
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
@@ -28,16 +29,19 @@ def main():
     args = cli.parse(cli.parser(__doc__))
     with distributed(args.device) as ctx:
         corpus = load_corpus(args.data, seed=args.seed)
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
+        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data)
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
         metrics = Metrics(args, ctx, optimizer)
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
@@ -51,6 +55,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             metrics.log(step, loss, traced=tracer.will_record(step))
             scheduler.step()
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         val_loss = evaluate(model, corpus.val, args, ctx.device)
         memory = tracer.save(args.out, ctx, title=f"Step 1, fp32 baseline: {args.model} model, "

@@ -1,0 +1,274 @@
+"""Checkpoints that survive crashes, with torch.distributed.checkpoint (DCP).
+
+Layout: ``<out>/checkpoints/step_00000042/`` holds DCP's files (one or more per rank:
+each rank writes only its own shards), ``rng_rank<r>.pt`` (each rank's random state) and
+``meta.json`` (step, model, parallel layout, LR schedule, data position). A checkpoint is
+written into ``step_..._partial/`` and renamed once every rank has finished, and a
+folder without ``meta.json`` is never loaded: a crash in the middle of a write leaves a
+``_partial`` folder that resume ignores, never one that looks complete.
+
+``get_state_dict`` / ``set_state_dict`` give the model and optimizer state with keys by
+parameter name (no DDP ``module.`` prefix, DTensor shards for FSDP and TP), which is what
+lets a checkpoint written by 4 FSDP ranks load on 2: DCP reads each rank's new shard
+from whichever files hold it.
+
+Also here, because they belong to the same "the run must survive" step: the non-finite
+loss check and the fault injection (``--fail-at-step``) used to test elastic restarts.
+
+``python -m common.checkpoint export <checkpoint folder> <file.pt>`` turns a checkpoint
+into one plain ``torch.save`` file of full tensors for inference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from common.errors import UserError
+
+PARTIAL = "_partial"
+
+
+def add_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("surviving failures")
+    g.add_argument("--ckpt-every", type=int, default=0,
+                   help="save a checkpoint every N steps into <out>/checkpoints (default: 0, never)")
+    g.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest K complete checkpoints (default: 2)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in <out>/checkpoints, if there is one")
+    g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
+                   help="a non-finite loss stops the run (default) or skips that step's update")
+    g.add_argument("--fail-at-step", type=int, default=None,
+                   help="testing: crash at this step, on the first attempt only (see --max-restarts)")
+    g.add_argument("--fail-rank", type=int, default=0, help="testing: the rank --fail-at-step crashes (default: 0)")
+
+
+def check_flags(args):
+    if args.ckpt_every < 0:
+        raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
+    if args.ckpt_keep < 1:
+        raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")
+             and not p.name.endswith(PARTIAL) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly where it stopped.
+
+    ``parts`` is a list of (model, optimizer) pairs: one for most strategies, one per
+    pipeline stage this rank holds. Their state dicts are merged by parameter name, so
+    the checkpoint does not depend on how layers were split among ranks.
+    """
+
+    def __init__(self, args, ctx, parts, scheduler=None, batches=None, parallel: dict | None = None):
+        self.args, self.ctx, self.parts = args, ctx, list(parts)
+        self.scheduler, self.batches = scheduler, batches
+        self.parallel = parallel or {"dp": ctx.world_size}
+        self.folder = Path(args.out) / "checkpoints"
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    # ---- state --------------------------------------------------------------------------
+    def _state(self) -> dict:
+        model, optim = {}, {}
+        for m, o in self.parts:
+            model.update(get_model_state_dict(m))
+            if o is not None:
+                optim.update(_flatten_optim(get_optimizer_state_dict(m, o)))
+        return {"model": model, "optim": optim}
+
+    def _load_state(self, state: dict):
+        for m, o in self.parts:
+            names = set(get_model_state_dict(m))
+            set_model_state_dict(m, {k: v for k, v in state["model"].items() if k in names})
+            if o is not None:
+                mine = _flatten_optim(get_optimizer_state_dict(m, o))
+                set_optimizer_state_dict(m, o, _unflatten_optim({k: state["optim"][k] for k in mine}))
+
+    def _meta(self, step: int) -> dict:
+        return {"step": step, "script": self.args.script, "model": self.args.model,
+                "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
+                "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
+                "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "data_position": self.batches.state_dict() if self.batches else None}
+
+    # ---- save ---------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        final = self.folder / f"step_{step:08d}"
+        partial = final.with_name(final.name + PARTIAL)
+        if self.ctx.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
+            partial.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=str(partial))
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
+                   partial / f"rng_rank{self.ctx.rank}.pt")
+        dist.barrier()  # every rank's files are on disk before the checkpoint is declared
+        if self.ctx.is_main:
+            (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
+            if final.exists():  # the same step again (a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(partial, final)  # atomic: complete or absent, never half
+            for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return final
+
+    # ---- resume -------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the newest complete checkpoint if ``--resume``; return the first step to run."""
+        if not self.args.resume:
+            return 0
+        found = complete_checkpoints(self.folder)
+        if not found:
+            self.ctx.print(f"--resume: no complete checkpoint in {self.folder} yet, starting from step 0")
+            return 0
+        path = found[-1]
+        meta = json.loads((path / "meta.json").read_text())
+        self._check_compatible(path, meta)
+        state = self._state()
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint, said plainly
+            # (DCP's CheckpointException derives from BaseException, not Exception)
+            reason = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+            raise UserError(f"checkpoint {path} cannot be read ({reason}); move it aside to resume from "
+                            f"the one before it, or start without --resume.") from None
+        self._load_state(state)
+        if self.scheduler and meta["scheduler"]:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        if self.batches and meta["data_position"]:
+            self.batches.load_state_dict(meta["data_position"])
+        rng = path / f"rng_rank{self.ctx.rank}.pt"
+        if rng.exists() and meta["world_size"] == self.ctx.world_size:
+            saved = torch.load(rng, weights_only=False)
+            torch.set_rng_state(saved["cpu"])
+            if saved["cuda"] is not None and self.ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(saved["cuda"])
+        self.ctx.print(f"resumed from {path} (step {meta['step']}, saved by {meta['world_size']} rank(s))")
+        return meta["step"] + 1
+
+    def _check_compatible(self, path: Path, meta: dict):
+        a = self.args
+        if meta["model_config"] != a.model_config.as_dict():
+            raise UserError(f"checkpoint {path} holds a {meta['model']!r} model with a different shape than "
+                            f"--model {a.model}; resume with the same --model (and --n-layers) or pick another --out.")
+        for key, flag in (("global_batch_size", "--global-batch-size"), ("seq_len", "--seq-len"),
+                          ("seed", "--seed"), ("data", "--data")):
+            if meta[key] != getattr(a, key):
+                raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
+                                f"{getattr(a, key)}; use the same value to continue exactly.")
+        saved_pp, pp = meta["parallel"].get("pp", 1), self.parallel.get("pp", 1)
+        if saved_pp != pp and (saved_pp > 1 or pp > 1) and meta["parallel"].get("stages") != self.parallel.get("stages"):
+            raise UserError(f"checkpoint {path} was saved with {saved_pp} pipeline stages and this run has {pp}; "
+                            f"resume with the same number of stages.")
+
+    # ---- called once per step by the training loop ---------------------------------------
+    def end_step(self, step: int, loss: float):
+        """After an optimizer step: stop on a non-finite loss, save, inject a test fault."""
+        if not math.isfinite(loss) and self.args.on_nan == "stop":
+            raise UserError(f"the loss is {loss} at step {step} (rank {self.ctx.rank}); lower --lr, or pass "
+                            f"--on-nan skip to skip such steps.")
+        last = step == self.args.steps - 1
+        if self.args.ckpt_every and ((step + 1) % self.args.ckpt_every == 0 or last):
+            self.save(step)
+        if (self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank):
+            # A hard crash, as a dying node gives: no cleanup, no exception handling.
+            print(f"[rank {self.ctx.rank}] --fail-at-step {step}: crashing on purpose", flush=True)
+            os._exit(17)
+
+
+def skip_nonfinite_step(optimizer, ctx, enabled: bool):
+    """--on-nan skip: drop the gradients of a step whose gradients are not all finite.
+
+    Registered as an optimizer pre-hook; with every gradient set to None the optimizer
+    leaves every parameter (and its state) alone. The verdict is all-reduced so that
+    ranks holding different shards agree to skip together.
+    """
+    if not enabled:
+        return None
+
+    def hook(opt, *_):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        bad = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in local) else 1.0], device=ctx.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            ctx.print("non-finite gradients: skipping this step's update")
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+
+    return optimizer.register_step_pre_hook(hook)
+
+
+def _flatten_optim(sd: dict) -> dict:
+    """{'state': {fqn: {...}}, 'param_groups': [...]} -> flat keys, mergeable across parts."""
+    flat = {f"state.{fqn}.{k}": v for fqn, st in sd["state"].items() for k, v in st.items()}
+    for i, group in enumerate(sd["param_groups"]):
+        for fqn in group["params"]:
+            flat[f"param_groups.{fqn}"] = {k: v for k, v in group.items() if k != "params"} | {"_group": i}
+    return flat
+
+
+def _unflatten_optim(flat: dict) -> dict:
+    state, groups = {}, {}
+    for key, v in flat.items():
+        if key.startswith("state."):
+            fqn, k = key[len("state."):].rsplit(".", 1)
+            state.setdefault(fqn, {})[k] = v
+        else:
+            fqn = key[len("param_groups."):]
+            g = dict(v)
+            i = g.pop("_group")
+            groups.setdefault(i, dict(g, params=[]))["params"].append(fqn)
+    return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
+
+
+def export(checkpoint: str, dest: str):
+    """One plain torch.save file of the model's full weights (no optimizer), for inference."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(checkpoint)
+    if not (path / "meta.json").is_file():
+        raise UserError(f"{path} is not a complete checkpoint (no meta.json); give a step_... folder.")
+    tmp = Path(dest).with_suffix(".full.tmp")
+    dcp_to_torch_save(str(path), str(tmp))
+    full = torch.load(tmp, weights_only=False)
+    meta = json.loads((path / "meta.json").read_text())
+    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, dest)
+    tmp.unlink()
+    print(f"wrote {dest}: {len(full['model'])} tensors of the {meta['model']!r} model at step {meta['step']}")
+
+
+if __name__ == "__main__":
+    from common.errors import main_guard
+
+    p = argparse.ArgumentParser(description="Turn a checkpoint into one torch.save file for inference.")
+    p.add_argument("command", choices=["export"])
+    p.add_argument("checkpoint")
+    p.add_argument("dest")
+    a = p.parse_args()
+    main_guard(export)(a.checkpoint, a.dest)
