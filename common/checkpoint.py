@@ -55,11 +55,15 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--fail-at-step", type=int, default=None,
                    help="testing: crash at this step, on the first attempt only (see --max-restarts)")
     g.add_argument("--fail-rank", type=int, default=0, help="testing: the rank --fail-at-step crashes (default: 0)")
+    g.add_argument("--pg-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
 
 
 def check_flags(args):
     if args.ckpt_every < 0:
         raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
+    if not args.pg_timeout > 0:
+        raise UserError(f"--pg-timeout must be positive seconds (got {args.pg_timeout}).")
     if args.ckpt_keep < 1:
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
 

@@ -32,10 +32,15 @@ def main_guard(fn):
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             sys.exit(130)
-        except Exception:
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                print(f"[rank {os.environ.get('RANK', '?')}] failed:", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - shown whole, then named in one line
             traceback.print_exc()
+            msg = (str(e).strip().splitlines() or [""])[-1][:300]
+            hint = ""
+            if "Timed out" in msg or "timeout" in msg.lower():
+                hint = (" (a collective waited longer than --pg-timeout: another rank is stuck, dead, or "
+                        "not calling the same collective)")
+            print(f"[rank {os.environ.get('RANK', '0')}] failed: {type(e).__name__}: {msg}{hint}",
+                  file=sys.stderr, flush=True)
             sys.exit(1)
 
     return wrapper

@@ -27,7 +27,7 @@ from common.training import adamw, evaluate, lr_schedule
 @main_guard
 def main():
     args = cli.parse(cli.parser(__doc__))
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         corpus = load_corpus(args.data, seed=args.seed)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 

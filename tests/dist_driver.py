@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,7 +15,7 @@ from common.errors import UserError, main_guard
 
 @main_guard
 def main(mode, out):
-    with distributed("cpu") as ctx:
+    with distributed("cpu", timeout_s=4 if mode == "hang" else 300) as ctx:
         if mode == "ok":
             mesh = ctx.mesh()
             t = torch.tensor([float(ctx.rank)])
@@ -27,6 +28,10 @@ def main(mode, out):
             ctx.print("only rank 0 prints this")
         elif mode == "bad_mesh":
             ctx.mesh((3, 3), ("dp", "tp"))
+        elif mode == "hang":
+            if ctx.rank == 1:
+                time.sleep(120)  # never joins: rank 0's collective must time out, not hang
+            dist.all_reduce(torch.ones(1))
         elif mode == "one_rank_fails":
             if ctx.rank == 1:
                 raise UserError("rank 1 cannot go on")

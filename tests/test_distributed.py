@@ -56,3 +56,12 @@ def test_torchrun_ranks_meshes_and_misuse(tmp_path):
     fails = _torchrun(2, "one_rank_fails", timeout=120)  # a hang here would time out
     assert fails.returncode != 0
     assert "[rank 1] error: rank 1 cannot go on" in fails.stderr
+
+
+def test_a_hang_becomes_an_error_that_names_the_rank():
+    # rank 1 never joins rank 0's all_reduce; with a 4 s process-group timeout rank 0 must
+    # fail, say so in one line, and torchrun must end the job (well before the test timeout)
+    r = _torchrun(2, "hang", timeout=90)
+    assert r.returncode != 0
+    assert "[rank 0] failed: RuntimeError:" in r.stderr and "Timed out" in r.stderr
+    assert "--pg-timeout" in r.stderr
