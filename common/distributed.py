@@ -78,8 +78,8 @@ def resolve_device(device: str, local_rank: int, local_world_size: int) -> torch
 def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0):
     """Set up this process's rank, device and process group; always tear them down.
 
-    Yields a ``Dist``. The process group exists only under torchrun; a plain ``python``
-    run is world size 1 with no process group (nothing to communicate).
+    Yields a ``Dist``. Under plain ``python`` the process group has one rank (an
+    in-process store instead of torchrun's rendezvous), so the same code runs.
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
@@ -91,9 +91,10 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
         raise UserError("--backend nccl needs CUDA GPUs; use gloo on CPU.")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if launched:
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # device_id on CPU raises
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # device_id on CPU raises
+    if not launched:  # plain python: a process group of one, so meshes and DDP still work
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     ctx = Dist(rank, world, local_rank, dev, backend, launched)
     try:
         yield ctx
