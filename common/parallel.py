@@ -25,11 +25,11 @@ except ImportError:  # pragma: no cover - older torch
 from common.errors import UserError
 
 
-def require_torchrun(ctx, script: str):
-    """A plain ``python`` run has no process group to build DDP or FSDP on: say how to launch."""
+def launch_hint(ctx, script: str):
+    """Plain ``python`` runs these scripts as one rank (a process group of one); say so."""
     if not ctx.launched:
-        raise UserError(f"{script} runs one process per rank; launch it with torchrun --nproc-per-node 4 "
-                        f"{script} (--nproc-per-node 1 for a single device).")
+        ctx.print(f"note: plain python runs a single rank; for four, launch "
+                  f"torchrun --nproc-per-node 4 {script}")
 
 
 def micro_batch_size(global_batch_size: int, dp_size: int, accum_steps: int = 1) -> int:

@@ -5,7 +5,7 @@ each global batch; after backward, DDP all-reduces (averages) the gradients so t
 copy takes the same step and stays identical. Launch one process per rank:
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1
-(--nproc-per-node 1 on a single GPU). runs/train_ddp/memory_trace.png has one panel per
+(plain python runs it as a single rank). runs/train_ddp/memory_trace.png has one panel per
 rank: 16 bytes per parameter on each (4 weights, 4 gradients, 8 AdamW state); --zero1
 keeps 8 + 8/W, the optimizer state being split over the W ranks.
 """
@@ -28,7 +28,7 @@ from common.errors import main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
 from common.model import build_model
-from common.parallel import ddp_no_buffer_sync, gather_comm, global_mean, micro_batch_size, print_comm, require_torchrun
+from common.parallel import ddp_no_buffer_sync, gather_comm, global_mean, launch_hint, micro_batch_size, print_comm
 from common.training import adamw, adamw_options, evaluate, lr_schedule
 
 
@@ -40,15 +40,15 @@ def main(argv=None):
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     args = cli.parse(p, argv)
     with distributed(args.device) as ctx:
-        require_torchrun(ctx, "step3_multi_gpu/train_ddp.py")
+        launch_hint(ctx, "step3_multi_gpu/train_ddp.py")
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
-        micro_batch_size(args.global_batch_size, mesh.size(), args.grad_accum_steps)  # splits evenly?
+        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
         corpus = load_corpus(args.data, seed=args.seed)
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.
         batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
-                               dp_rank=mesh.get_local_rank(), dp_size=mesh.size(), seed=args.seed))
+                               dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a
