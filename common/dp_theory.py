@@ -75,18 +75,19 @@ def model_state(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shar
     return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer state": 8 * local + adam_step_bytes * t}
 
 
-def unsharded_bytes(cfg: ModelConfig, bytes_per_param: int = 4) -> dict[str, int]:
-    """Gathered size of each FSDP unit: 'root' and one block ('block')."""
+def unsharded_bytes(cfg: ModelConfig, world: int = 1, bytes_per_param: int = 4) -> dict[str, int]:
+    """Gathered size of each FSDP unit, 'root' and one 'block' (padded chunks x world)."""
     shapes = param_shapes(cfg)
-    root = sum(math.prod(s) for k, s in shapes.items() if is_root(k))
-    block = sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers.0."))
+    root = sum(padded_shard_numel(s, world) * world for k, s in shapes.items() if is_root(k))
+    block = sum(padded_shard_numel(s, world) * world for k, s in shapes.items() if k.startswith("layers.0."))
     return {"root": bytes_per_param * root, "block": bytes_per_param * block}
 
 
 def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = None,
-               param_bytes: int = 4) -> dict[str, int]:
+               param_bytes: int = 4, accum: int = 1) -> dict[str, int]:
     """Logical bytes per rank per optimizer step, by collective (``param_bytes`` 2 for
-    bf16 all-gathers; gradients are always reduced in fp32)."""
+    bf16 all-gathers; gradients are always reduced in fp32). With ``accum`` micro-batches
+    the gradients are still reduced once, but FSDP gathers the parameters for each."""
     shapes = param_shapes(cfg)
     n = sum(math.prod(s) for s in shapes.values())
     if strategy == "ddp":
@@ -94,10 +95,12 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
     if strategy == "zero1":
         return {"all_reduce": 4 * n, "broadcast": 4 * n}
     s = shard or world
+    if s == 1:  # nothing sharded: HSDP degenerates into DDP
+        return {"all_reduce": 4 * n} if world > 1 else {}
     gathered = {k: padded_shard_numel(sh, s) * s for k, sh in shapes.items()}  # padded full size
     full = sum(gathered.values())
     no_root = sum(v for k, v in gathered.items() if not is_root(k))
-    out = {"all_gather": param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
+    out = {"all_gather": accum * param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
            "reduce_scatter": 4 * full}
     if strategy.startswith("hsdp") and world > s:
         out["all_reduce"] = 4 * full // s  # each rank's reduced shard, across the replicas
