@@ -117,3 +117,85 @@ def formula(strategy: str) -> dict[str, str]:
         "hsdp_zero3": {"memory": "16N/S", "comm": "as ZeRO-3 over S + all-reduce 4N/S"},
         "hsdp_zero2": {"memory": "16N/S", "comm": "as ZeRO-2 over S + all-reduce 4N/S"},
     }[strategy]
+
+
+# ---- the chapter's table, from the runs common/figures.py makes ----------------------
+# (run name, label, strategy, HSDP shard size or None)
+TABLE_ROWS = [
+    ("3a_ddp", "DDP", "ddp", None),
+    ("3a_zero1", "ZeRO-1 (DDP + sharded AdamW)", "zero1", None),
+    ("3a_fsdp_zero2", "FSDP ZeRO-2 (`--no-reshard-after-forward`)", "fsdp_zero2", None),
+    ("3a_fsdp_zero3", "FSDP ZeRO-3", "fsdp_zero3", None),
+    ("3a_hsdp", "HSDP 2 x 2, ZeRO-3 (`--hsdp 2 2`)", "hsdp_zero3", 2),
+    ("3a_fsdp_bf16_ac", "FSDP ZeRO-3, bf16 + checkpointing", "fsdp_zero3", None),
+]
+_SIMPLE = {  # the formulas as the chapter writes them: (model state, bytes sent) in units of N
+    "ddp": (lambda w, s: 16, lambda w, s: 4),
+    "zero1": (lambda w, s: 8 + 8 / w, lambda w, s: 8),
+    "fsdp_zero2": (lambda w, s: 16 / w, lambda w, s: 8),
+    "fsdp_zero3": (lambda w, s: 16 / w, lambda w, s: 12),
+    "hsdp_zero3": (lambda w, s: 16 / s, lambda w, s: 12 + 4 / s),
+}
+_COMM_TEXT = {"ddp": "AR 4N", "zero1": "AR 4N + B 4N", "fsdp_zero2": "AG 4N + RS 4N",
+              "fsdp_zero3": "AG 2 x 4N + RS 4N", "hsdp_zero3": "AG 2 x 4N + RS 4N + AR 4N/S"}
+_MEM_TEXT = {"ddp": "16N", "zero1": "8N + 8N/W", "fsdp_zero2": "16N/W", "fsdp_zero3": "16N/W",
+             "hsdp_zero3": "16N/S"}
+_SHORT = {"all_reduce": "AR", "broadcast": "B", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def chapter3a_table(runs_dir, suffix: str = "") -> str:
+    """Markdown: per-rank model state and bytes per step, measured next to the formula."""
+    import json
+    from pathlib import Path
+
+    from common.memory import fmt_bytes
+
+    lines = ["| strategy | model state per rank: formula | = | measured (rank 0) | ratio | peak per rank "
+             "| sent per rank per step: formula | = | measured (logical bytes) | ratio | a ring sends |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    first = None
+    for name, label, strategy, shard in TABLE_ROWS:
+        path = Path(runs_dir) / (name + suffix) / "summary.json"
+        if not path.exists():
+            continue
+        s = json.loads(path.read_text())
+        first = first or s
+        n, w = s["n_params"], s["world_size"]
+        mem_f, comm_f = (f(w, shard or w) for f in _SIMPLE[strategy])
+        states = [sum(m["before_optimizer"][c] for c in ("parameters", "gradients", "optimizer state"))
+                  for m in s["memory"]]
+        spread = "" if len(set(states)) == 1 else f" (ranks differ by up to {fmt_bytes(max(states) - min(states))})"
+        peaks = [m["peak_bytes"] for m in s["memory"]]
+        comm = s["comm"][0]
+        sent = sum(c["bytes"] for c in comm.values())
+        wire = sum(c["wire_bytes"] for c in comm.values())
+        parts = " + ".join(f"{_SHORT.get(k, k)} {fmt_bytes(c['bytes'])}" for k, c in comm.items())
+        lines.append(f"| {label} | {_MEM_TEXT[strategy]} | {fmt_bytes(mem_f * n)} | {fmt_bytes(states[0])}{spread} "
+                     f"| {states[0] / (mem_f * n):.4f} | {fmt_bytes(max(peaks))} | {_COMM_TEXT[strategy]} "
+                     f"| {fmt_bytes(comm_f * n)} | {parts} | {sent / (comm_f * n):.3f} | {fmt_bytes(wire)} |")
+    if first is None:
+        return ""
+    lines += ["", f"N = {first['n_params']:,} parameters ({first['model']} preset), W = {first['world_size']} "
+              f"ranks, S = 2 (HSDP's shard group), batch {first['global_batch_size']} x {first['seq_len']} "
+              f"tokens; {first.get('device_name', first['device'])}, gloo, fp32 unless marked. Model state = "
+              "parameters + gradients + AdamW state when the optimizer step begins, from the memory trace (AdamW's "
+              "4-byte step counters make the ratio a hair above 1); peak = the trace's highest point, activations "
+              "included. AR all-reduce, B broadcast, AG all-gather, RS reduce-scatter; logical bytes count the whole "
+              "tensor each collective works on, a ring sends 2(W-1)/W of that for AR and (W-1)/W for AG and RS. "
+              "ZeRO-3 sends a little less than 12N because FSDP keeps the root (embedding, final norm, output) "
+              "gathered from forward to backward; bf16 gathers half the bytes; DDP's few-byte broadcast is the "
+              "one-time rebuild of its buckets after the first step."]
+    return "\n".join(lines)
+
+
+def write_chapter3a_table(suffix: str = "", only: str = "") -> dict[str, str]:
+    """A POST_STEPS entry of common/figures.py: figs/03_table.md, and the README block."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    md = chapter3a_table(root / "runs" / "figs", suffix)
+    if not md:
+        return {}
+    (root / "figs" / f"03_table{suffix}.md").write_text(md + "\n")
+    print(f"wrote figs/03_table{suffix}.md", flush=True)
+    return {"table-03a" + suffix: md}

@@ -146,6 +146,12 @@ def test_bytes_communicated_per_step_are_the_formula(job):
                 got = {k: v for k, v in got.items() if v}
             assert got == want, (name, rank)
         calls = run["summary"]["comm"][0]
+        # what a ring sends: 2(n-1)/n of an all-reduce, (n-1)/n of the others, n = the group's size
+        groups = {"all_reduce": w // 2, "all_gather": 2, "reduce_scatter": 2} if name == "hsdp" else {}
+        for kind, c in calls.items():
+            g = groups.get(kind, w)
+            factor = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
+            assert c["wire_bytes"] == pytest.approx(c["bytes"] * factor.get(kind, 1.0)), (name, kind)
         if name == "ddp_accum":  # no_sync: one all-reduce per optimizer step, not per micro-batch
             assert calls["all_reduce"]["calls"] == 1
         if name == "fsdp_accum":  # one reduce-scatter per unit (4 blocks + root) per step
