@@ -37,9 +37,10 @@ def micro_batch_size(global_batch_size: int, dp_size: int, accum_steps: int = 1)
     if accum_steps <= 0:
         raise UserError(f"--grad-accum-steps must be positive (got {accum_steps}).")
     if global_batch_size % (dp_size * accum_steps):
-        raise UserError(f"--global-batch-size {global_batch_size} does not split evenly into {accum_steps} "
-                        f"micro-batch(es) on each of {dp_size} data-parallel ranks; use a multiple of "
-                        f"{dp_size * accum_steps}.")
+        into = (f"among {dp_size} data-parallel ranks" if accum_steps == 1 else
+                f"into {accum_steps} micro-batches on each of {dp_size} data-parallel ranks")
+        raise UserError(f"--global-batch-size {global_batch_size} does not divide {into}; "
+                        f"use a multiple of {dp_size * accum_steps}.")
     return global_batch_size // (dp_size * accum_steps)
 
 

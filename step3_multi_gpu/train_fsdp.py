@@ -96,6 +96,8 @@ def main(argv=None):
                     loss.backward()  # per block: gather its parameters (ZeRO-3), reduce-scatter its gradients
                     step_loss += loss.detach()
                 optimizer.step()
+                # Unlike DDP's buckets, the sharded gradients are ordinary tensors: freeing
+                # them keeps 4N/W bytes out of the next forward pass.
                 optimizer.zero_grad(set_to_none=True)
             metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
             scheduler.step()

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from common import memory  # noqa: E402
 from common.distributed import Dist  # noqa: E402
 from common.parallel import apply_fsdp  # noqa: E402
 from common.model import Transformer, build_model, get_config  # noqa: E402
@@ -42,6 +43,7 @@ def load(path: str):
     return module
 
 
+RENDER = memory.render
 SCRIPTS = {"step1": ("step1_single_gpu/train.py", "build_model"),
            "ddp": ("step3_multi_gpu/train_ddp.py", "build_model"),
            "fsdp": ("step3_multi_gpu/train_fsdp.py", "Transformer")}
@@ -54,11 +56,12 @@ def shared_group(*_, **__):
                "gloo", launched=True)
 
 
-def run(script: str, flags: list[str], out: Path):
+def run(script: str, flags: list[str], out: Path, draw: bool):
     """Run a script's main() on this job's process group; capture its model and stderr."""
     path, builder = SCRIPTS[script]
     module = load(path)
     module.distributed = shared_group
+    memory.render = RENDER if draw else (lambda *a, **k: None)  # drawing costs ~1 s a figure
     made = []
     original = getattr(module, builder)
     setattr(module, builder, lambda *a, **k: made.append(original(*a, **k)) or made[-1])
@@ -109,8 +112,9 @@ def main(out_json: str, plan: str):
     for name, (script, flags) in plan.items():
         out = tmp / name
         start = time.perf_counter()
-        model, code, err = run(script, COMMON + flags, out)
-        entry = {"code": code, "stderr": err[-2000:], "seconds": time.perf_counter() - start}
+        model, code, err = run(script, COMMON + flags, out, draw=name == "ddp")
+        entry = {"code": code, "stderr": err[-2000:], "seconds": time.perf_counter() - start,
+                 "figure": (out / "memory_trace.png").exists()}
         if code == 0:
             weights = full_weights(model)  # a collective under FSDP: every rank takes part
             if name == "reference":

@@ -37,6 +37,7 @@ def _plan(batch: int, *runs: str) -> dict:
         "hsdp_2x1": ["fsdp", b + ["--hsdp", "2", "1"]],
         "bf16_ac": ["fsdp", b + ["--mixed-precision", "--activation-checkpointing"]],
         "bad_batch": ["ddp", ["--global-batch-size", str(batch + 2)]],
+        "bad_accum": ["fsdp", b + ["--grad-accum-steps", "2"]],
         "bad_hsdp": ["fsdp", b + ["--hsdp", "3", "3"]],
     }
     return {"reference": known["reference"], **{r: known[r] for r in runs}}
@@ -45,7 +46,7 @@ def _plan(batch: int, *runs: str) -> dict:
 PLANS = {
     2: _plan(4, "ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp_2x1"),
     3: _plan(6, "ddp", "fsdp_zero3"),
-    4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "bad_batch", "bad_hsdp"),
+    4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "bad_batch", "bad_accum", "bad_hsdp"),
 }
 
 
@@ -54,9 +55,7 @@ def _torchrun(n: int, *args, timeout: int):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module", params=sorted(PLANS), ids=lambda w: f"{w}ranks")
-def job(request, tmp_path_factory):
-    world = request.param
+def _launch(world: int, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"dp{world}") / "results.json"
     r = _torchrun(world, "tests/dp_driver.py", str(out), json.dumps(PLANS[world]), timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -65,6 +64,27 @@ def job(request, tmp_path_factory):
         if isinstance(entry, dict) and not name.startswith("bad_"):
             assert entry["code"] == 0, f"{name}: {entry['stderr']}"
     return results
+
+
+@pytest.fixture(scope="module")
+def job2(tmp_path_factory):
+    return _launch(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def job3(tmp_path_factory):
+    return _launch(3, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def job4(tmp_path_factory):
+    return _launch(4, tmp_path_factory)
+
+
+@pytest.fixture(params=sorted(PLANS), ids=lambda w: f"{w}ranks")
+def job(request):
+    """Each world size's results (one torchrun job each, shared by the tests)."""
+    return request.getfixturevalue(f"job{request.param}")
 
 
 def _runs(job, names=FP32_RUNS):
@@ -86,6 +106,11 @@ def test_every_strategy_matches_the_single_process_run(job):
         assert run["summary"]["world_size"] == job["world"]
 
 
+def test_the_trace_has_every_rank(job):
+    assert job["ddp"]["figure"], "the per-rank memory figure"
+    assert [m["rank"] for m in job["ddp"]["summary"]["memory"]] == list(range(job["world"]))
+
+
 def _state(run, rank):
     return run["summary"]["memory"][rank]["before_optimizer"]
 
@@ -103,9 +128,9 @@ def test_model_state_per_rank_is_the_formula(job):
     assert sum(_state(job["ddp"], 0)[c] for c in ("parameters", "gradients", "optimizer state")) == 16 * N + 4 * T
 
 
-def test_zero1_shards_only_the_optimizer_state(job):
-    if "zero1" not in job:
-        pytest.skip("ZeRO-1 runs on 2 and 4 ranks")
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero1_shards_only_the_optimizer_state(world, request):
+    job = request.getfixturevalue(f"job{world}")
     w = job["world"]
     states = [_state(job["zero1"], r) for r in range(w)]
     assert all(s["parameters"] == 4 * N and s["gradients"] == 4 * N for s in states)
@@ -158,17 +183,15 @@ def test_bytes_communicated_per_step_are_the_formula(job):
             assert calls["reduce_scatter"]["calls"] == CFG.n_layers + 1
 
 
-def test_fsdp_pads_uneven_shards_on_the_odd_world_size(job):
+def test_fsdp_pads_uneven_shards_on_the_odd_world_size(job3):
     """W = 3 does not divide the 64-row parameters: FSDP pads each rank's shard."""
-    if job["world"] != 3:
-        pytest.skip("the odd world size")
+    job = job3
     states = [_state(job["fsdp_zero3"], r)["optimizer state"] for r in range(3)]
     assert states[0] == states[1] > states[2]  # the last rank holds the short chunks
 
 
-def test_bf16_compute_fp32_shards_fp32_reduction_with_checkpointing(job):
-    if "bf16_ac" not in job:
-        pytest.skip("runs on 4 ranks")
+def test_bf16_compute_fp32_shards_fp32_reduction_with_checkpointing(job4):
+    job = job4
     run, w = job["bf16_ac"], job["world"]
     # trained, close to fp32 but not bitwise (it really computed in bf16), no dtype error
     ref = job["reference"]["losses"]
@@ -184,13 +207,14 @@ def test_bf16_compute_fp32_shards_fp32_reduction_with_checkpointing(job):
             < 0.3 * job["fsdp_zero3"]["summary"]["memory"][0]["peak_by_category"]["activations"])
 
 
-def test_bad_input_is_one_clear_sentence(job):
-    if "bad_batch" not in job:
-        pytest.skip("runs on 4 ranks")
-    bad, mesh = job["bad_batch"], job["bad_hsdp"]
-    assert bad["code"] == 2 and mesh["code"] == 2
-    assert bad["stderr"].strip() == ("[rank 0] error: --global-batch-size 6 does not split evenly into 1 "
-                                     "micro-batch(es) on each of 4 data-parallel ranks; use a multiple of 4.")
+def test_bad_input_is_one_clear_sentence(job4):
+    job = job4
+    bad, accum, mesh = job["bad_batch"], job["bad_accum"], job["bad_hsdp"]
+    assert bad["code"] == accum["code"] == mesh["code"] == 2
+    assert bad["stderr"].strip() == ("[rank 0] error: --global-batch-size 6 does not divide among 4 "
+                                     "data-parallel ranks; use a multiple of 4.")
+    assert accum["stderr"].strip() == ("[rank 0] error: --global-batch-size 4 does not divide into 2 "
+                                       "micro-batches on each of 4 data-parallel ranks; use a multiple of 8.")
     assert mesh["stderr"].strip() == ("[rank 0] error: a 3 x 3 mesh (replicate, shard) needs 9 ranks but 4 "
                                       "were launched; make the product equal the world size.")
 
