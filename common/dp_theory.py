@@ -107,18 +107,6 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
     return out
 
 
-def formula(strategy: str) -> dict[str, str]:
-    """The chapter's formulas, as text for the table."""
-    return {
-        "ddp": {"memory": "16N", "comm": "all-reduce 4N"},
-        "zero1": {"memory": "8N + 8N/W", "comm": "all-reduce 4N + broadcast 4N"},
-        "fsdp_zero2": {"memory": "16N/W", "comm": "all-gather 4N + reduce-scatter 4N"},
-        "fsdp_zero3": {"memory": "16N/W", "comm": "all-gather 4N + 4(N - N_root) + reduce-scatter 4N"},
-        "hsdp_zero3": {"memory": "16N/S", "comm": "as ZeRO-3 over S + all-reduce 4N/S"},
-        "hsdp_zero2": {"memory": "16N/S", "comm": "as ZeRO-2 over S + all-reduce 4N/S"},
-    }[strategy]
-
-
 # ---- the chapter's table, from the runs common/figures.py makes ----------------------
 # (run name, label, strategy, HSDP shard size or None)
 TABLE_ROWS = [

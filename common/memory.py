@@ -228,7 +228,7 @@ class MemoryTracer:
                 return None
             rec = _Record(st.nbytes(), 0 if preexisting else self._t)
             self._t += 0 if preexisting else 1
-            rec.ref = weakref.ref(st, lambda _, k=key: self._on_free(k))
+            rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
             if key in self._watched:
                 rec.category = self._watched[key][1]
             self._live[key] = rec
@@ -250,9 +250,13 @@ class MemoryTracer:
                 rec = _Record(st.nbytes(), self._t)
                 self._t += 1
                 rec.category = cat
-                rec.ref = weakref.ref(st, lambda _, k=key: self._on_free(k))
+                rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
                 self._live[key] = rec
                 self._records.append(rec)
+
+    def _on_dead(self, key):
+        self._watched.pop(key, None)  # its address may be reused by another storage
+        self._on_free(key)
 
     def _on_free(self, key):
         rec = self._live.pop(key, None)

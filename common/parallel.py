@@ -13,7 +13,6 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 try:  # public since torch 2.6
@@ -23,6 +22,7 @@ except ImportError:  # pragma: no cover - older torch
                                                     OffloadPolicy, fully_shard)
 
 from common.errors import UserError
+from common.memory import fmt_bytes
 
 
 def launch_hint(ctx, script: str):
@@ -144,12 +144,6 @@ def trace_fsdp_memory(tracer, model: torch.nn.Module):
             m.register_forward_pre_hook(on_unshard)
 
 
-def local_numel(model: torch.nn.Module) -> tuple[int, int]:
-    """(elements, tensors) of the parameters this rank stores (its shards under FSDP)."""
-    params = list(model.parameters())
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params), len(params)
-
-
 def gather_comm(comm, ctx, steps: int) -> list[dict] | None:
     """Every rank's bytes per step by collective, gathered to rank 0 (None elsewhere)."""
     mine = comm.summary(per=steps)
@@ -164,7 +158,6 @@ def print_comm(ctx, comm_by_rank: list[dict] | None, n_params: int):
     """One line per collective: what rank 0 sent per step, against 4N (N fp32 parameters)."""
     if not ctx.is_main or not comm_by_rank:
         return
-    from common.memory import fmt_bytes
     for kind, c in comm_by_rank[0].items():
         print(f"  {kind + ' per step':<18}  {c['calls']:g} calls, {fmt_bytes(c['bytes'])} logical "
               f"= {c['bytes'] / (4 * n_params):.3f} x 4N, {fmt_bytes(c['wire_bytes'])} sent by a ring", flush=True)
