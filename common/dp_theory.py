@@ -169,7 +169,8 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
               "parameters + gradients + AdamW state when the optimizer step begins, from the memory trace (AdamW's "
               "4-byte step counters make the ratio a hair above 1); peak = the trace's highest point, activations "
               "included. AR all-reduce, B broadcast, AG all-gather, RS reduce-scatter; logical bytes count the whole "
-              "tensor each collective works on, a ring sends 2(W-1)/W of that for AR and (W-1)/W for AG and RS. "
+              "tensor each collective works on, a ring sends 2(n-1)/n of that for AR and (n-1)/n for AG and RS, n being the group's size (W; S "
+              "and R = W/S under HSDP). "
               "ZeRO-3 sends a little less than 12N because FSDP keeps the root (embedding, final norm, output) "
               "gathered from forward to backward; bf16 gathers half the bytes; DDP's few-byte broadcast is the "
               "one-time rebuild of its buckets after the first step."]
