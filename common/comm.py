@@ -78,8 +78,8 @@ def _group_size(args) -> int:
         if isinstance(a, dist.ProcessGroup):
             return a.size()
         if isinstance(a, torch.ScriptObject):
-            try:
-                return a.size()
+            try:  # c10d ops receive the group boxed as a ScriptObject: unbox it first
+                return dist.ProcessGroup.unbox(a).size()
             except Exception:  # noqa: BLE001 - not a process group
                 pass
     for a in args:

@@ -40,7 +40,21 @@ CHAPTER1 = [
 CHAPTER2: list[Run] = []
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
-CHAPTER3A: list[Run] = []
+_3A = ["--model", "small", "--steps", "6", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "2"]
+CHAPTER3A: list[Run] = [
+    Run("3a_ddp", "step3_multi_gpu/train_ddp.py", _3A, nproc=4,
+        figures={"03_memory_trace_ddp.png": "memory_trace.png"}),
+    Run("3a_zero1", "step3_multi_gpu/train_ddp.py", _3A + ["--zero1"], nproc=4,
+        figures={"03_memory_trace_zero1.png": "memory_trace.png"}),
+    Run("3a_fsdp_zero2", "step3_multi_gpu/train_fsdp.py", _3A + ["--no-reshard-after-forward"], nproc=4,
+        figures={"03_memory_trace_zero2.png": "memory_trace.png"}),
+    Run("3a_fsdp_zero3", "step3_multi_gpu/train_fsdp.py", _3A, nproc=4,
+        figures={"03_memory_trace_fsdp.png": "memory_trace.png"}),
+    Run("3a_hsdp", "step3_multi_gpu/train_fsdp.py", _3A + ["--hsdp", "2", "2"], nproc=4,
+        figures={"03_memory_trace_hsdp.png": "memory_trace.png"}),
+    Run("3a_fsdp_bf16_ac", "step3_multi_gpu/train_fsdp.py", _3A + ["--mixed-precision", "--activation-checkpointing"],
+        nproc=4, figures={"03_memory_trace_fsdp_bf16_ac.png": "memory_trace.png"}),
+]
 
 # ---- chapter 3b: the model-parallel family --------------------------------------------
 CHAPTER3B: list[Run] = []
@@ -91,8 +105,10 @@ def chapter1_table(suffix: str) -> dict[str, str]:
     return {"table-01" + suffix: "\n".join(lines)}
 
 
+from common.dp_theory import write_chapter3a_table  # noqa: E402
+
 # callables(suffix) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table]
+POST_STEPS = [chapter1_table, write_chapter3a_table]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):

@@ -58,6 +58,13 @@ def _plain_tensors(obj):
             yield t
 
 
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _Record:
     __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref")
 
@@ -73,7 +80,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracer._on_op(out)
+        self.tracer._on_op(out, (args, kwargs))
         return out
 
 
@@ -83,11 +90,20 @@ class MemoryTracer:
     Use: ``with tracer.record(step): <one optimizer step>`` and, after the loop,
     ``tracer.save(out_dir, ctx)``. ``tag(tensors, category)`` classifies tensors the
     default walk cannot know about (FSDP's unsharded parameters, for example).
+
+    ``sources``: extra callables, each returning ``(category, tensors)`` pairs, walked
+    with the model and the optimizer (for state the optimizer object does not hold
+    itself, such as ZeroRedundancyOptimizer's local optimizer). ``watch(tensors,
+    category)`` is for storages that are freed and re-allocated in place with
+    ``untyped_storage().resize_()`` (FSDP2's unsharded parameters): no weakref fires for
+    those, so their size is re-read after every op.
     """
 
-    def __init__(self, models, optimizers, device, enabled=True, start=1, steps=2):
+    def __init__(self, models, optimizers, device, enabled=True, start=1, steps=2, sources=()):
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        self.sources = list(sources)
+        self._watched: dict[int, tuple[weakref.ref, str]] = {}
         self.device = torch.device(device)
         self.enabled, self.start, self.steps = enabled, start, steps
         self.active = False
@@ -130,6 +146,15 @@ class MemoryTracer:
                 if rec is not None:
                     rec.category = category
 
+    def watch(self, tensors, category: str):
+        """Like ``tag``, and keep following the storages' size (see the class notes)."""
+        if self.active:
+            for t in _plain_tensors(tensors):
+                rec = self._track(t)
+                if rec is not None:
+                    rec.category = category
+                    self._watched[self._key(t)] = (weakref.ref(t.untyped_storage()), category)
+
     # ---- recording ----------------------------------------------------------------------
     def _begin(self):
         self.active = True
@@ -160,6 +185,7 @@ class MemoryTracer:
         for rec in self._live.values():
             rec.ref = None  # stop listening for frees
         self._live.clear()
+        self._watched.clear()
         allocator_peak = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -173,6 +199,9 @@ class MemoryTracer:
         yield "gradients", _plain_tensors([p.grad for p in params if p.grad is not None])
         yield "optimizer state", _plain_tensors([list(s.values()) for opt in self.optimizers
                                                  for s in opt.state.values()])
+        for source in self.sources:
+            for cat, tensors in source():
+                yield cat, _plain_tensors(tensors)
 
     def _scan(self):
         """Classify the live storages that belong to the model or the optimizer."""
@@ -195,12 +224,39 @@ class MemoryTracer:
         key = st._cdata
         rec = self._live.get(key)
         if rec is None:
+            if st.nbytes() == 0 and key in self._watched:  # freed in place: holds nothing now
+                return None
             rec = _Record(st.nbytes(), 0 if preexisting else self._t)
             self._t += 0 if preexisting else 1
-            rec.ref = weakref.ref(st, lambda _, k=key: self._on_free(k))
+            rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
+            if key in self._watched:
+                rec.category = self._watched[key][1]
             self._live[key] = rec
             self._records.append(rec)
         return rec
+
+    def _check_watched(self):
+        """Turn in-place resizes of watched storages into frees and allocations."""
+        for key, (ref, cat) in list(self._watched.items()):
+            st = ref()
+            if st is None:
+                del self._watched[key]
+                continue
+            rec = self._live.get(key)
+            if rec is not None and rec.nbytes != st.nbytes():
+                self._on_free(key)  # the old size is gone, a new one (if any) starts now
+                rec = None
+            if rec is None and st.nbytes() > 0:
+                rec = _Record(st.nbytes(), self._t)
+                self._t += 1
+                rec.category = cat
+                rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
+                self._live[key] = rec
+                self._records.append(rec)
+
+    def _on_dead(self, key):
+        self._watched.pop(key, None)  # its address may be reused by another storage
+        self._on_free(key)
 
     def _on_free(self, key):
         rec = self._live.pop(key, None)
@@ -233,7 +289,7 @@ class MemoryTracer:
             self.phases.pop()  # the previous phase saw no allocation: drop the empty span
         self.phases.append((self._t, phase))  # None: between steps
 
-    def _on_op(self, out):
+    def _on_op(self, out, inputs=()):
         tensors = list(_plain_tensors(out))
         if not tensors:  # profiler markers and the like: no memory, no phase change
             return
@@ -244,8 +300,16 @@ class MemoryTracer:
         else:
             phase = "forward"
         self._set_phase(phase)
-        for t in tensors:
-            self._track(t)
+        if self._watched:
+            self._check_watched()
+        new = [t for t in tensors if _storage_key(t) not in self._live]
+        if new:
+            # An output that shares its storage with an input (a view, an in-place or out=
+            # op) allocated nothing: a slice of the data set is not a new tensor.
+            aliased = {_storage_key(t) for t in _plain_tensors(inputs)}
+            for t in new:
+                if _storage_key(t) not in aliased:
+                    self._track(t)
 
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
@@ -260,6 +324,9 @@ class MemoryTracer:
         live = np.cumsum(deltas[:, :n], axis=1)
         total = live.sum(0)
         peak_at = int(total.argmax())
+        # The model state when it is complete: the last optimizer step about to begin.
+        opt_start = [t for t, ph in self.phases if ph == "optimizer"]
+        before_opt = max(opt_start[-1] - 1, 0) if opt_start else None
         return {
             "device": str(self.device),
             "events": n,
@@ -267,6 +334,8 @@ class MemoryTracer:
             "peak_event": peak_at,
             "at_peak": {c: int(live[i, peak_at]) for i, c in enumerate(CATEGORIES)},
             "peak_by_category": {c: int(live[i].max()) for i, c in enumerate(CATEGORIES)},
+            "before_optimizer": None if before_opt is None else
+            {c: int(live[i, before_opt]) for i, c in enumerate(CATEGORIES)},
             "allocator_peak_bytes": allocator_peak,
             "phases": self.phases,
             "steps": self.step_marks,

@@ -148,7 +148,8 @@ class Metrics:
             "peak_mem_source": self.rows[-1]["peak_mem_source"],
             "memory": [{"rank": m["rank"], "peak_bytes": m["peak_bytes"], "at_peak": m["at_peak"],
                         "peak_by_category": m["peak_by_category"],
-                        "allocator_peak_bytes": m["allocator_peak_bytes"]} for m in memory or []],
+                        "allocator_peak_bytes": m["allocator_peak_bytes"],
+                        "before_optimizer": m.get("before_optimizer")} for m in memory or []],
             **extra,
         }
         (self.args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -22,9 +22,14 @@ def lr_schedule(optimizer: torch.optim.Optimizer, args) -> torch.optim.lr_schedu
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def adamw_options(args) -> dict:
+    """The AdamW hyperparameters, for wrappers that build the optimizer themselves (ZeRO-1)."""
+    return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
 def adamw(params, args, **kwargs) -> torch.optim.AdamW:
     """AdamW as every script uses it (fp32 state: 8 bytes per parameter)."""
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **kwargs)
+    return torch.optim.AdamW(params, **adamw_options(args), **kwargs)
 
 
 @torch.no_grad()

@@ -1,0 +1,163 @@
+"""What the data-parallel lessons share: launch checks, batch splitting, the global loss,
+FSDP2's application, and the glue that lets the memory tracer see FSDP's all-gathered
+parameters.
+
+``apply_fsdp`` follows torchtitan's ``parallelize_llama``: the model never knows it is
+sharded; one short function wraps each transformer block, then the root, from outside.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+try:  # public since torch 2.6
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._composable.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                                    OffloadPolicy, fully_shard)
+
+from common.errors import UserError
+from common.memory import fmt_bytes
+
+
+def launch_hint(ctx, script: str):
+    """Plain ``python`` runs these scripts as one rank (a process group of one); say so."""
+    if not ctx.launched:
+        ctx.print(f"note: plain python runs a single rank; for four, launch "
+                  f"torchrun --nproc-per-node 4 {script}")
+
+
+def micro_batch_size(global_batch_size: int, dp_size: int, accum_steps: int = 1) -> int:
+    """Sequences per rank per forward pass; the global batch must split evenly."""
+    if accum_steps <= 0:
+        raise UserError(f"--grad-accum-steps must be positive (got {accum_steps}).")
+    if global_batch_size % (dp_size * accum_steps):
+        into = (f"among {dp_size} data-parallel ranks" if accum_steps == 1 else
+                f"into {accum_steps} micro-batches on each of {dp_size} data-parallel ranks")
+        raise UserError(f"--global-batch-size {global_batch_size} does not divide {into}; "
+                        f"use a multiple of {dp_size * accum_steps}.")
+    return global_batch_size // (dp_size * accum_steps)
+
+
+def ddp_no_buffer_sync() -> dict:
+    """DDP's keyword that skips broadcasting the buffers before every forward.
+
+    Our only buffers are the RoPE tables, constants. torch 2.13 renamed the keyword
+    (``broadcast_buffers`` -> ``forward_sync_buffers``) and warns about the old one.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def global_mean(t: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean of a per-rank scalar over the data-parallel ranks (for the log).
+
+    gloo has no ReduceOp.AVG, so: sum, then divide.
+    """
+    t = t.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t /= dist.get_world_size(group)
+    return t
+
+
+def apply_activation_checkpointing(model: torch.nn.Module):
+    """Recompute each block's activations in backward instead of keeping them.
+
+    The block's ``forward`` is wrapped in place rather than the block in a wrapper
+    module, so parameter names (and with them the name-seeded initial weights) do not
+    change. Applied before ``fully_shard``, the checkpoint sits *inside* the FSDP unit:
+    FSDP casts the block's inputs to bf16 before the checkpoint saves them, so the
+    recomputation sees exactly the dtypes of the original forward. The other order,
+    checkpoint(fsdp_block), recomputes from the saved fp32 inputs without that cast on
+    torch < 2.13 (pytorch issue 159359) and fails with a metadata mismatch.
+    """
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
+               cpu_offload: bool = False) -> torch.nn.Module:
+    """FSDP2 on every transformer block, then on the root (call it on a meta-device model).
+
+    - mesh 1-D: full sharding over its ranks. mesh 2-D (replicate, shard): HSDP, each
+      parameter sharded across the second dimension and replicated across the first.
+    - reshard_after_forward: True frees each block's gathered parameters after its
+      forward and gathers them again in backward (ZeRO-3); False keeps them from forward
+      to backward (ZeRO-2: one all-gather per step, more memory).
+    - param_dtype: compute dtype of the gathered parameters (bf16 halves the all-gather);
+      the shards, and so the optimizer, stay fp32. reduce_dtype: gradients are
+      reduce-scattered in fp32 so that summing many ranks' bf16 gradients loses nothing.
+    - cpu_offload: keep shards, gradients and the optimizer step on the host.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    layers = model.layers.values() if getattr(model, "layers", None) is not None else []
+    for block in layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    # The root takes what no block owns (embedding, final norm, output). Every parameter
+    # must be in some unit with the policy, or fp32 weights meet bf16 activations. Its
+    # output_dtype hands fp32 logits to the loss. reshard_after_forward is left to FSDP,
+    # which keeps the root gathered after forward: backward needs it at once.
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                   output_dtype=torch.float32 if param_dtype is not None else None)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+    return model
+
+
+def trace_fsdp_memory(tracer, model: torch.nn.Module):
+    """Let the memory tracer count FSDP's gathered parameters as parameters.
+
+    FSDP2 gathers a unit's parameters into storages it frees and re-allocates in place
+    (``resize_``) and swaps them into the module only between its own hooks; the
+    tracer's walk of ``model.parameters()`` never sees them. A forward pre-hook that runs
+    after FSDP's (which it registers first, with ``prepend``) hands them to the tracer
+    to follow, and a hook on each gathered parameter tags the full-size gradient that
+    backward writes before FSDP reduce-scatters it away.
+    """
+    hooked: set[int] = set()
+
+    def tag_gradient(p):
+        tracer.tag(p.grad, "gradients")
+
+    def on_unshard(module, *_):
+        if not tracer.active:
+            return
+        for p in module.parameters():
+            tracer.watch(p, "parameters")
+            if p.requires_grad and id(p) not in hooked:
+                hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(tag_gradient)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.register_forward_pre_hook(on_unshard)
+
+
+def gather_comm(comm, ctx, steps: int) -> list[dict] | None:
+    """Every rank's bytes per step by collective, gathered to rank 0 (None elsewhere)."""
+    mine = comm.summary(per=steps)
+    if not (dist.is_initialized() and ctx.world_size > 1):
+        return [mine]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, out, dst=0)
+    return out
+
+
+def print_comm(ctx, comm_by_rank: list[dict] | None, n_params: int):
+    """One line per collective: what rank 0 sent per step, against 4N (N fp32 parameters)."""
+    if not ctx.is_main or not comm_by_rank:
+        return
+    for kind, c in comm_by_rank[0].items():
+        print(f"  {kind + ' per step':<18}  {c['calls']:g} calls, {fmt_bytes(c['bytes'])} logical "
+              f"= {c['bytes'] / (4 * n_params):.3f} x 4N, {fmt_bytes(c['wire_bytes'])} sent by a ring", flush=True)

@@ -1,0 +1,104 @@
+"""Step 3a: data parallelism. DDP on every rank, or ZeRO-1 with --zero1.
+
+Every rank holds the whole model and the whole optimizer and trains on its own share of
+each global batch; after backward, DDP all-reduces (averages) the gradients so that every
+copy takes the same step and stays identical. Launch one process per rank:
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1
+(plain python runs it as a single rank). runs/train_ddp/memory_trace.png has one panel per
+rank: 16 bytes per parameter on each (4 weights, 4 gradients, 8 AdamW state); --zero1
+keeps 8 + 8/W, the optimizer state being split over the W ranks.
+"""
+import contextlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import cli
+from common.comm import CommCounter
+from common.data import Batches, load_corpus
+from common.distributed import distributed
+from common.errors import main_guard
+from common.memory import MemoryTracer
+from common.metrics import Metrics
+from common.model import build_model
+from common.parallel import ddp_no_buffer_sync, gather_comm, global_mean, launch_hint, micro_batch_size, print_comm
+from common.training import adamw, adamw_options, evaluate, lr_schedule
+
+
+@main_guard
+def main(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--grad-accum-steps", type=int, default=1,
+                   help="micro-batches per optimizer step; gradients are all-reduced after the last only (default: 1)")
+    p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
+    args = cli.parse(p, argv)
+    with distributed(args.device) as ctx:
+        launch_hint(ctx, "step3_multi_gpu/train_ddp.py")
+        mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
+        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
+        corpus = load_corpus(args.data, seed=args.seed)
+        # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
+        # reshuffles every pass over the data the same way on all ranks). One loader batch
+        # is one micro-step of all ranks together.
+        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
+                               dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
+
+        model = build_model(args.model_config, ctx.device, seed=args.seed)
+        # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a
+        # second copy of 4 bytes per parameter. The buffers (RoPE tables) are constants: no
+        # need to broadcast them before every forward.
+        model = DDP(model, device_mesh=mesh, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+        if args.zero1:
+            # Each rank keeps AdamW state for 1/W of the parameters, updates only those and
+            # broadcasts them to the others: 8N/W bytes of state instead of 8N.
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw_options(args))
+        else:
+            optimizer = adamw(model.parameters(), args)
+        scheduler = lr_schedule(optimizer, args)
+
+        # ZeroRedundancyOptimizer keeps its state in an inner optimizer: show it to the tracer.
+        sources = [lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else []
+        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
+                              start=args.trace_start, steps=args.trace_steps, sources=sources)
+        comm = CommCounter()
+        metrics = Metrics(args, ctx, optimizer, parallel={"dp": mesh.size()})
+        for step in metrics.progress():
+            with tracer.record(step), comm:
+                step_loss = torch.zeros((), device=ctx.device)
+                for micro in range(args.grad_accum_steps):
+                    x, y = next(batches)
+                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    # All-reduce once per optimizer step: the other micro-batches just add
+                    # into p.grad (no_sync must cover the forward as well as the backward).
+                    last = micro == args.grad_accum_steps - 1
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        logits = model(x)  # (micro-batch, seq, vocab)
+                        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum_steps
+                        loss.backward()  # on the last micro-batch: all-reduce, bucket by bucket
+                    step_loss += loss.detach()
+                optimizer.step()
+                # p.grad are views of DDP's buckets, which live as long as the model: setting
+                # them to None would free nothing, only hide where the 4N bytes are (from the
+                # memory trace too). Zero them instead.
+                optimizer.zero_grad(set_to_none=False)
+            metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
+            scheduler.step()
+
+        val_loss = evaluate(model, corpus.val, args, ctx.device)
+        what = "DDP + ZeRO-1" if args.zero1 else "DDP"
+        memory = tracer.save(args.out, ctx, title=f"Step 3a, {what} on {ctx.world_size} ranks: {args.model} model, "
+                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
+        comm_by_rank = gather_comm(comm, ctx, args.steps)
+        metrics.finish(memory, val_loss=val_loss, strategy="zero1" if args.zero1 else "ddp", comm=comm_by_rank)
+        print_comm(ctx, comm_by_rank, metrics.n_params)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Launched under torchrun by tests/test_step3a.py: step 1 and the step 3a scripts in one job.
+
+Starting torch costs seconds per process on a small machine, so one torchrun job runs
+the single-process reference (step1_single_gpu/train.py, on every rank: every rank then
+holds the reference weights) and then each strategy's real script, one after another, on
+one process group. Rank 0 writes what the test asserts on to a JSON file:
+per run the per-step losses, summary.json (memory per rank, bytes per collective), the
+largest weight difference from the reference, exit code and error text.
+
+    torchrun --nproc-per-node W tests/dp_driver.py OUT.json PLAN
+"""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from common import memory  # noqa: E402
+from common.distributed import Dist  # noqa: E402
+from common.parallel import apply_fsdp  # noqa: E402
+from common.model import Transformer, build_model, get_config  # noqa: E402
+
+COMMON = ["--model", "debug", "--seq-len", "32", "--steps", "4", "--eval-batches", "0", "--device", "cpu",
+          "--trace-start", "1", "--trace-steps", "1", "--data", "synthetic"]
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_under_test", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RENDER = memory.render
+SCRIPTS = {"step1": ("step1_single_gpu/train.py", "build_model"),
+           "ddp": ("step3_multi_gpu/train_ddp.py", "build_model"),
+           "fsdp": ("step3_multi_gpu/train_fsdp.py", "Transformer")}
+
+
+@contextlib.contextmanager
+def shared_group(*_, **__):
+    """Stands in for common.distributed.distributed: the driver owns the process group."""
+    yield Dist(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), torch.device("cpu"),
+               "gloo", launched=True)
+
+
+def run(script: str, flags: list[str], out: Path, draw: bool):
+    """Run a script's main() on this job's process group; capture its model and stderr."""
+    path, builder = SCRIPTS[script]
+    module = load(path)
+    module.distributed = shared_group
+    memory.render = RENDER if draw else (lambda *a, **k: None)  # drawing costs ~1 s a figure
+    made = []
+    original = getattr(module, builder)
+    setattr(module, builder, lambda *a, **k: made.append(original(*a, **k)) or made[-1])
+    sys.argv = [str(ROOT / path), *flags, "--out", str(out)]
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            module.main()
+        except SystemExit as e:
+            code = e.code
+    return (made[0] if made else None), code, err.getvalue()
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def weight_diff(a: dict, b: dict) -> dict:
+    """Largest absolute difference, and the share of elements off by more than 1e-6."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    return {"max_abs": diffs.max().item(), "frac_over_1e-6": (diffs > 1e-6).float().mean().item()}
+
+
+def main(out_json: str, plan: str):
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = json.loads(plan)
+    results = {"world": world}
+    tmp = Path(tempfile.mkdtemp(prefix=f"dp_driver_{world}_")) if rank == 0 else None
+    tmp_list = [str(tmp)]
+    dist.broadcast_object_list(tmp_list, src=0)
+    tmp = Path(tmp_list[0])
+
+    # FSDP on the meta device, then to_empty + init_weights: the same weights as step 1, bitwise.
+    cfg = get_config("debug")
+    reference_init = full_weights(build_model(cfg, "cpu", seed=0))
+    with torch.device("meta"):
+        sharded = Transformer(cfg)
+    apply_fsdp(sharded, init_device_mesh("cpu", (world,)))
+    sharded.to_empty(device="cpu")
+    sharded.init_weights(seed=0)
+    got = full_weights(sharded)
+    results["fsdp_init_bitwise"] = all(torch.equal(got[k], reference_init[k]) for k in reference_init)
+
+    reference = None
+    for name, (script, flags) in plan.items():
+        out = tmp / name
+        start = time.perf_counter()
+        model, code, err = run(script, COMMON + flags, out, draw=name == "ddp")
+        entry = {"code": code, "stderr": err[-2000:], "seconds": time.perf_counter() - start,
+                 "figure": (out / "memory_trace.png").exists()}
+        if code == 0:
+            weights = full_weights(model)  # a collective under FSDP: every rank takes part
+            if name == "reference":
+                reference = weights
+            elif reference is not None:
+                entry["weights"] = weight_diff(weights, reference)
+            if rank == 0:
+                entry["losses"] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+                entry["summary"] = json.loads((out / "summary.json").read_text())
+        results[name] = entry
+        dist.barrier()
+    if rank == 0:
+        Path(out_json).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
