@@ -20,7 +20,8 @@ pipeline parallelism, hence this small counter.
 A dispatch mode only sees its own thread, and ``torch.futures`` callbacks run on the
 backend's worker thread without the caller's thread-local state. DDP communication hooks
 such as PowerSGD issue collectives from such callbacks, so while a counter is open the
-``torch.distributed`` entry points also count the calls they get from other threads.
+``torch.distributed`` collective functions (``dist.all_reduce`` and co., not send/recv)
+also count the calls they get where the mode is not active.
 """
 from __future__ import annotations
 
@@ -163,11 +164,7 @@ _ENTRY_POINTS = {
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "reduce_scatter_single": ("reduce_scatter", "input"),
     "all_to_all_single": ("all_to_all", "input"),
-    "send": ("send", "tensor"),
-    "isend": ("send", "tensor"),
-    "recv": ("recv", "tensor"),
-    "irecv": ("recv", "tensor"),
-}
+}  # not send/recv: P2POp and batch_isend_irecv check dist.isend/irecv by identity
 _LOCK = threading.Lock()
 
 
@@ -182,12 +179,15 @@ class _OtherThreads:
         self.saved = []
 
     def start(self):
+        wrapped = {}  # dist.all_reduce is c10d.all_reduce: give both names the same wrapper
         for module in (dist, c10d):
             for name, (kind, arg) in _ENTRY_POINTS.items():
                 fn = getattr(module, name, None)
                 if fn is not None:
                     self.saved.append((module, name, fn))
-                    setattr(module, name, self._wrap(fn, kind, arg))
+                    if id(fn) not in wrapped:
+                        wrapped[id(fn)] = self._wrap(fn, kind, arg)
+                    setattr(module, name, wrapped[id(fn)])
 
     def stop(self):
         for module, name, fn in reversed(self.saved):
