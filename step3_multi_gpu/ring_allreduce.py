@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
 import torch
 import torch.distributed as dist
 
+from common.bench import GB, fmt_size, message_sizes, time_collective
 from common.comm import CommCounter
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
@@ -155,45 +155,17 @@ def check(ctx) -> list[dict]:
 
 
 # ---- timing it beside the library ------------------------------------------------------
-def _time(fn, x: torch.Tensor, iters: int, device) -> float:
-    """Seconds per call, the slowest rank's (a collective ends when its last rank does)."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    fn(x)  # warm-up: connections, buffers
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(x)
-    sync()
-    t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def bench(ctx, sizes: list[int], iters: int, budget_s: float) -> list[dict]:
+def bench(ctx, sizes: list[int], iters: int) -> list[dict]:
     n, rows = ctx.world_size, []
     for size in sizes:
         x = torch.randn(size // 4, device=ctx.device)
-        # fewer iterations for big messages so the whole sweep stays short; rank 0 decides
-        probe = _time(dist.all_reduce, x, 1, ctx.device)
-        it = torch.tensor([max(2, min(iters, int(budget_s / max(probe, 1e-6))))], device=ctx.device)
-        dist.broadcast(it, 0)
-        row = {"bytes": x.numel() * 4, "iters": int(it)}
+        row = {"bytes": x.numel() * 4}
         for name, fn in (("ring", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)):
-            t = _time(fn, x, int(it), ctx.device)
-            row[name] = {"time_s": t, "algbw_GBps": row["bytes"] / t / 1e9,
-                         "busbw_GBps": row["bytes"] / t / 1e9 * 2 * (n - 1) / n}
+            t, it = time_collective(lambda: fn(x), ctx.device, max_iters=iters)
+            row[name] = {"time_s": t, "iters": it, "algbw_GBps": row["bytes"] / t / GB,
+                         "busbw_GBps": row["bytes"] / t / GB * 2 * (n - 1) / n}
         rows.append(row)
     return rows
-
-
-def fmt_size(b: float) -> str:
-    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= f:
-            return f"{b / f:g} {unit}"
-    return f"{b:g} B"
 
 
 def report(ctx, checks: list[dict], timings: list[dict], args) -> str:
@@ -269,16 +241,13 @@ def main():
         max_size = args.max_size or (256 * 2**20 if ctx.device.type == "cuda" else 16 * 2**20)
         if max_size < args.min_size:
             raise UserError(f"--max-size {max_size} is below --min-size {args.min_size}.")
-        sizes, s = [], args.min_size
-        while s <= max_size:
-            sizes.append(s // 4 * 4)
-            s *= 4
+        sizes = message_sizes(args.min_size, max_size, factor=4)
         checks = check(ctx) if args.check else []
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, checks)  # every rank's cases, for rank 0 to report
         checks = sorted((c for rank_rows in gathered for c in rank_rows),
                         key=lambda c: (c["ring_size"], c["dtype"], c["numel"], c["rank"]))
-        timings = bench(ctx, sizes, args.iters, budget_s=0.5) if args.bench else []
+        timings = bench(ctx, sizes, args.iters) if args.bench else []
         if ctx.is_main:
             out = os.path.abspath(args.out)
             os.makedirs(out, exist_ok=True)
