@@ -36,11 +36,16 @@ HOOKS = ("none", "fp16", "bf16", "powersgd")
 DEFAULT_POWERSGD = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 10, "min_compression_rate": 2.0}
 
 
-def add_comm_hook_flag(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def add_comm_hook_flag(parser: argparse.ArgumentParser, several: bool = False) -> argparse._ArgumentGroup:
+    """``--comm-hook NAME`` (or ``--comm-hooks A,B,...`` with ``several``) and PowerSGD's options."""
     g = parser.add_argument_group("gradient compression (DDP communication hooks)")
-    g.add_argument("--comm-hook", default="none", choices=HOOKS,
-                   help="compress the gradient all-reduce: none (fp32, the default), fp16 or bf16 "
-                        "(half the bytes), powersgd (low-rank, see --powersgd-rank)")
+    if several:
+        g.add_argument("--comm-hooks", default=",".join(HOOKS), type=_hook_list,
+                       help=f"comma-separated hooks to compare, from {', '.join(HOOKS)} (default: all)")
+    else:
+        g.add_argument("--comm-hook", default="none", choices=HOOKS,
+                       help="compress the gradient all-reduce: none (fp32, the default), fp16 or bf16 "
+                            "(half the bytes), powersgd (low-rank, see --powersgd-rank)")
     g.add_argument("--powersgd-rank", type=int, default=DEFAULT_POWERSGD["matrix_approximation_rank"],
                    help="rank r of PowerSGD's approximation: a rows x cols gradient sends "
                         "r * (rows + cols) numbers instead of rows * cols (default: %(default)s)")
@@ -48,6 +53,13 @@ def add_comm_hook_flag(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                    help="plain all-reduce for the first N steps, then PowerSGD; at least 2 "
                         "(default: %(default)s, the default warm-up)")
     return g
+
+
+def _hook_list(text: str) -> list[str]:
+    hooks = [h.strip() for h in text.split(",") if h.strip()]
+    if not hooks or any(h not in HOOKS for h in hooks):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list from {', '.join(HOOKS)}")
+    return list(dict.fromkeys(hooks))
 
 
 def powersgd_options(args: argparse.Namespace) -> dict:
