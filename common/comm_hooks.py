@@ -83,28 +83,20 @@ def bf16_hook_supported() -> bool:
     return bool(cuda or xpu)
 
 
-def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts):
-    """Register the hook called ``name`` on a ``DistributedDataParallel`` model.
+BF16_REFUSED = ("--comm-hook bf16: this PyTorch build has no CUDA/NCCL (>= 2.10), and DDP accepts "
+                "bf16_compress_hook only there (gloo could sum bf16, DDP refuses the hook); "
+                "use --comm-hook fp16 on CPU.")
 
-    Returns the hook's state (a ``PowerSGDState`` for powersgd, else None). Raise
-    ``UserError`` with a one-line fix for what cannot work.
-    """
+
+def check_comm_hook(name: str, **powersgd_opts) -> dict:
+    """Raise ``UserError`` (one line, with the fix) if hook ``name`` cannot run here; return
+    PowerSGD's full options for powersgd (else {})."""
     if name not in HOOKS:
         raise UserError(f"--comm-hook {name!r}: choose one of {', '.join(HOOKS)}.")
-    if powersgd_opts and name != "powersgd":
-        powersgd_opts = {}  # the PowerSGD flags always exist; they only matter for powersgd
-    if name == "none":
-        return None  # DDP's built-in fp32 all-reduce (in C++, faster than the Python allreduce_hook)
-    if name == "fp16":
-        ddp_model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
-        return None
-    if name == "bf16":
-        if not bf16_hook_supported():
-            raise UserError("--comm-hook bf16: this PyTorch build has no CUDA/NCCL (>= 2.10), and DDP accepts "
-                            "bf16_compress_hook only there (gloo could sum bf16, DDP refuses the hook); "
-                            "use --comm-hook fp16 on CPU.")
-        ddp_model.register_comm_hook(process_group, default_hooks.bf16_compress_hook)
-        return None
+    if name == "bf16" and not bf16_hook_supported():
+        raise UserError(BF16_REFUSED)
+    if name != "powersgd":
+        return {}  # the PowerSGD flags always exist; they only matter for powersgd
     opts = {**DEFAULT_POWERSGD, **powersgd_opts}
     if opts["matrix_approximation_rank"] < 1:
         raise UserError(f"--powersgd-rank must be at least 1 (got {opts['matrix_approximation_rank']}).")
@@ -113,6 +105,22 @@ def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts
         # its buckets after the first step: compressing before that would mix them up.
         raise UserError(f"--powersgd-start-iter must be at least 2 (got {opts['start_powerSGD_iter']}): DDP "
                         f"rebuilds its gradient buckets after step 1 and PowerSGD keeps state per bucket.")
+    return opts
+
+
+def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts):
+    """Register the hook called ``name`` on a ``DistributedDataParallel`` model.
+
+    Returns the hook's state (a ``PowerSGDState`` for powersgd, else None). Raises
+    ``UserError`` with a one-line fix for what cannot work (see ``check_comm_hook``).
+    """
+    opts = check_comm_hook(name, **powersgd_opts)
+    if name == "none":
+        return None  # DDP's built-in fp32 all-reduce (in C++, faster than the Python allreduce_hook)
+    if name in ("fp16", "bf16"):
+        hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
+        ddp_model.register_comm_hook(process_group, hook)
+        return None
     state = powerSGD_hook.PowerSGDState(process_group=process_group, **opts)
     ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return state

@@ -28,10 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import cli
 from common.bench import fmt_size
 from common.comm import CommCounter
-from common.comm_hooks import add_comm_hook_flag, all_reduce_bytes, powersgd_options, register_comm_hook
+from common.comm_hooks import (BF16_REFUSED, add_comm_hook_flag, all_reduce_bytes, bf16_hook_supported,
+                               check_comm_hook, powersgd_options, register_comm_hook)
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
-from common.errors import UserError, main_guard
+from common.errors import main_guard
 from common.metrics import Metrics
 from common.model import build_model
 from common.training import adamw, evaluate, lr_schedule
@@ -40,9 +41,7 @@ from common.training import adamw, evaluate, lr_schedule
 def train_with_hook(hook: str, args, ctx, corpus):
     """One DDP training run with ``hook``; returns its Metrics (rows and summary)."""
     model = build_model(args.model_config, ctx.device, seed=args.seed)
-    # The model's only buffers are its RoPE tables, identical on every rank: DDP's default
-    # broadcast of buffers before each forward would only add traffic that is not gradients.
-    model = DDP(model, broadcast_buffers=False)
+    model = DDP(model)
     register_comm_hook(model, hook, **powersgd_options(args))
     optimizer = adamw(model.parameters(), args)
     scheduler = lr_schedule(optimizer, args)
@@ -56,7 +55,7 @@ def train_with_hook(hook: str, args, ctx, corpus):
     for step in metrics.progress():
         x, y = next(batches)
         x, y = x.to(ctx.device), y.to(ctx.device)
-        with CommCounter() as comm:  # what DDP sends: the gradient all-reduces of backward
+        with CommCounter() as comm:  # what DDP sends: gradient all-reduces (and a broadcast of buffers)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
         optimizer.step()
@@ -65,7 +64,8 @@ def train_with_hook(hook: str, args, ctx, corpus):
         dist.all_reduce(global_loss)  # each rank's loss is its share's mean; log the global mean
         expected = all_reduce_bytes(model.parameters(), hook, compressing=step >= start, **powersgd_options(args))
         metrics.log(step, global_loss / ctx.world_size, grad_bytes=comm.bytes.get("all_reduce", 0),
-                    grad_calls=comm.calls.get("all_reduce", 0), expected_grad_bytes=expected)
+                    grad_calls=comm.calls.get("all_reduce", 0), expected_grad_bytes=expected,
+                    buffer_bytes=comm.bytes.get("broadcast", 0))
         scheduler.step()
 
     val_loss = evaluate(model.module, corpus.val, args, ctx.device)
@@ -107,6 +107,10 @@ def report(results: dict, skipped: dict, args, ctx) -> tuple[str, dict]:
                      + f" | {t['step_time_s'] * 1e3:.0f} ms |")
     for hook, why in skipped.items():
         lines.append(f"| {hook} | not run: {why} | | | | | |")
+    if results:
+        m = next(iter(results.values()))[0]
+        lines += ["", f"Not in the table: DDP also broadcasts the model's buffers from rank 0 before each forward "
+                      f"(here the RoPE tables, {m.rows[-1]['buffer_bytes']:,} B); hooks do not touch that."]
     return "\n".join(lines) + "\n", table
 
 
@@ -145,14 +149,16 @@ def main():
     args = cli.parse(p)
     with distributed(args.device) as ctx:
         require_launcher(ctx, "step3_multi_gpu/compare_comm_hooks.py")
+        # bf16 is in the default list but DDP refuses it on CPU-only builds: say so and go
+        # on; any other problem stops the script before the first run, not after it.
+        skipped = {"bf16": BF16_REFUSED} if "bf16" in args.comm_hooks and not bf16_hook_supported() else {}
+        hooks = [h for h in args.comm_hooks if h not in skipped]
+        for hook in hooks:
+            check_comm_hook(hook, **powersgd_options(args))
+        for why in skipped.values():
+            ctx.print(f"skipping it: {why}")
         corpus = load_corpus(args.data, seed=args.seed)
-        results, skipped = {}, {}
-        for hook in args.comm_hooks:
-            try:
-                results[hook] = train_with_hook(hook, args, ctx, corpus)
-            except UserError as e:  # e.g. bf16 on a CPU-only build: the same on every rank
-                ctx.print(f"skipping it: {e}")
-                skipped[hook] = str(e)
+        results = {hook: train_with_hook(hook, args, ctx, corpus) for hook in hooks}
         if ctx.is_main:
             md, table = report(results, skipped, args, ctx)
             args.out.mkdir(parents=True, exist_ok=True)
