@@ -122,8 +122,30 @@ def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts
         ddp_model.register_comm_hook(process_group, hook)
         return None
     state = powerSGD_hook.PowerSGDState(process_group=process_group, **opts)
-    ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    hook = powerSGD_hook.powerSGD_hook
+    if dist.get_backend(process_group) != "nccl":
+        hook = _one_bucket_at_a_time(hook)
+    ddp_model.register_comm_hook(state, hook)
     return state
+
+
+def _one_bucket_at_a_time(hook):
+    """PowerSGD for backends whose futures complete on a worker thread (gloo).
+
+    PowerSGD all-reduces P and Q from ``Future.then`` callbacks. gloo runs those on its own
+    threads while the backward pass goes on and issues the next bucket's all-reduce, so
+    with two buckets or more the ranks disagree on the order of their collectives and gloo
+    fails ("Received data size doesn't match expected size") or hangs (seen here with
+    torch 2.13 on 4 CPU ranks). NCCL marks its futures complete when the work is queued,
+    so the callbacks run at once, in order, and need no help. Waiting for each bucket
+    keeps the order, at the price of not overlapping communication with the backward pass.
+    """
+    def powerSGD_hook_in_order(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+
+    return powerSGD_hook_in_order
 
 
 def all_reduce_bytes(params, name: str, compressing: bool = True, elem_size: int = 4, **powersgd_opts) -> int:
