@@ -118,20 +118,24 @@ def plot(table: dict, args, ctx, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    base = table.get("none")
     for hook, t in table.items():
         steps = range(len(t["losses"]))
         ax1.plot(steps, t["losses"], label=hook, lw=1.3)
-        ax2.step(steps, t["bytes"], where="mid", label=f"{hook}: {fmt_size(t['bytes_per_step'])}/step")
+        if base:  # the curves overlap at this scale: the difference shows what compression costs
+            ax2.plot(steps, [a - b for a, b in zip(t["losses"], base["losses"])], label=hook, lw=1.3)
+        ax3.step(steps, t["bytes"], where="mid", label=f"{hook}: {fmt_size(t['bytes_per_step'])}/step")
     if "powersgd" in table:
-        for ax in (ax1, ax2):
+        for ax in (ax1, ax2, ax3):
             ax.axvline(args.powersgd_start_iter - 0.5, color="gray", ls=":", lw=1)
-        ax2.text(args.powersgd_start_iter, 0.5, " PowerSGD starts\n compressing", color="gray", fontsize=8,
-                 transform=ax2.get_xaxis_transform())
+        ax3.text(args.powersgd_start_iter, 0.5, " PowerSGD starts\n compressing", color="gray", fontsize=8,
+                 transform=ax3.get_xaxis_transform())
     ax1.set(xlabel="step", ylabel="training loss (global batch mean)", title="loss, same seed and batches")
-    ax2.set(xlabel="step", ylabel="bytes all-reduced per step (log)", yscale="log",
+    ax2.set(xlabel="step", ylabel="loss - loss without compression", title="what compression costs")
+    ax3.set(xlabel="step", ylabel="bytes all-reduced per step (log)", yscale="log",
             title="gradient bytes per step (measured)")
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"DDP communication hooks: {args.model} model, {ctx.world_size} ranks, {ctx.backend}, "
