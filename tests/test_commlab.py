@@ -146,7 +146,7 @@ def test_ring_allreduce_equals_library_on_2_3_4_ranks(tmp_path):
 
 def test_bench_collectives_tiny_run(tmp_path):
     r = _torchrun(2, "bench_collectives.py", "--out", tmp_path, "--min-size", 1024, "--max-size", 4096,
-                  "--iters", 3, "--budget", 0.01)
+                  "--iters", 3, "--budget", 0.01, "--blocks", 1)
     res = json.loads((tmp_path / "collectives.json").read_text())
     rows = res["rows"]
     assert {(row["op"], row["bytes"]) for row in rows} == {
@@ -170,9 +170,9 @@ def test_comm_hooks_cut_bytes_and_still_train(tmp_path):
     text.write_bytes(b"".join((stdlib / f).read_bytes() for f in ("argparse.py", "textwrap.py", "dataclasses.py")))
     # 8 layers: over DDP's 1 MiB first bucket, so PowerSGD runs on two buckets (the case
     # where gloo needs common/comm_hooks.py to keep the collectives in order)
-    steps, start, rank, layers = 6, 2, 2, 8
-    _torchrun(2, "compare_comm_hooks.py", "--model", "debug", "--n-layers", layers, "--steps", steps, "--seq-len", 64,
-              "--global-batch-size", 8, "--lr", 1e-2, "--warmup-steps", 1, "--data", text, "--eval-batches", 0,
+    steps, start, rank, layers = 5, 2, 2, 8
+    _torchrun(2, "compare_comm_hooks.py", "--model", "debug", "--n-layers", layers, "--steps", steps, "--seq-len", 32,
+              "--global-batch-size", 4, "--lr", 1e-2, "--warmup-steps", 1, "--data", text, "--eval-batches", 0,
               "--powersgd-rank", rank, "--powersgd-start-iter", start, "--out", tmp_path / "out", timeout=150)
     res = json.loads((tmp_path / "out" / "comm_hooks.json").read_text())
     hooks = res["hooks"]
