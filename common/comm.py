@@ -16,14 +16,24 @@ point-to-point and broadcast (the root's cost, an upper bound for the others).
 
 ``torch.distributed``'s ``CommDebugMode`` counts calls but not bytes and fails under
 pipeline parallelism, hence this small counter.
+
+A dispatch mode only sees its own thread, and ``torch.futures`` callbacks run on the
+backend's worker thread without the caller's thread-local state. DDP communication hooks
+such as PowerSGD issue collectives from such callbacks, so while a counter is open the
+``torch.distributed`` collective functions (``dist.all_reduce`` and co., not send/recv)
+also count the calls they get where the mode is not active.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import threading
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed.distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 # op name (without overload) -> (collective, where its logical size is: an argument's
@@ -104,6 +114,23 @@ class CommCounter(TorchDispatchMode):
         self.wire: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
+    def _record(self, kind: str, size: int, n: int):
+        with _LOCK:  # callbacks on other threads record too
+            self.bytes[kind] += size
+            self.wire[kind] += size * RING_FACTOR.get(kind, lambda _: 1.0)(n)
+            self.calls[kind] += 1
+
+    def __enter__(self):
+        self._other_threads = _OtherThreads(self)
+        self._other_threads.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._other_threads.stop()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -115,13 +142,73 @@ class CommCounter(TorchDispatchMode):
                 size = _nbytes(out[0] if isinstance(out, tuple) and name.endswith("_out") else out)
             else:
                 size = _nbytes(args[where])
-            n = _group_size(list(args) + list(kwargs.values()))
-            self.bytes[kind] += size
-            self.wire[kind] += size * RING_FACTOR.get(kind, lambda _: 1.0)(n)
-            self.calls[kind] += 1
+            self._record(kind, size, _group_size(list(args) + list(kwargs.values())))
         return out
 
     def summary(self, per: int = 1) -> dict:
         """Per-collective {'calls', 'bytes', 'wire_bytes'}, divided by ``per`` (e.g. steps)."""
         return {k: {"calls": self.calls[k] / per, "bytes": self.bytes[k] / per, "wire_bytes": self.wire[k] / per}
                 for k in sorted(self.bytes)}
+
+
+# torch.distributed function -> (collective, the argument holding its logical size), for
+# calls made on threads the dispatch mode does not see (Future callbacks).
+_ENTRY_POINTS = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+}  # not send/recv: P2POp and batch_isend_irecv check dist.isend/irecv by identity
+_LOCK = threading.Lock()
+
+
+class _OtherThreads:
+    """While open, wrap the ``torch.distributed`` entry points to count the calls made where
+    the counter's dispatch mode is not active (it is on the autograd threads, which inherit
+    it, and not in Future callbacks)."""
+
+    def __init__(self, counter: CommCounter):
+        self.counter = counter
+        self.inside = threading.local()  # count the outermost call only (entry points call each other)
+        self.saved = []
+
+    def start(self):
+        wrapped = {}  # dist.all_reduce is c10d.all_reduce: give both names the same wrapper
+        for module in (dist, c10d):
+            for name, (kind, arg) in _ENTRY_POINTS.items():
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    self.saved.append((module, name, fn))
+                    if id(fn) not in wrapped:
+                        wrapped[id(fn)] = self._wrap(fn, kind, arg)
+                    setattr(module, name, wrapped[id(fn)])
+
+    def stop(self):
+        for module, name, fn in reversed(self.saved):
+            setattr(module, name, fn)
+        self.saved = []
+
+    def _wrap(self, fn, kind, arg):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if getattr(self.inside, "depth", 0) or any(m is self.counter for m in _get_current_dispatch_mode_stack()):
+                return fn(*args, **kwargs)  # the dispatch mode counts it (or an outer wrapper does)
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            self.inside.depth = 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.inside.depth = 0
+            group = bound.get("group")
+            self.counter._record(kind, _nbytes(bound.get(arg)), _group_size([group] if group is not None else []))
+            return out
+
+        return wrapper

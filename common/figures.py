@@ -59,7 +59,18 @@ CHAPTER3A: list[Run] = [
 # ---- chapter 3b: the model-parallel family --------------------------------------------
 CHAPTER3B: list[Run] = []
 
-RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B
+# ---- chapter 4: the communication lab (docs/commlab.md) -------------------------------
+CHAPTER4 = [
+    Run("commlab_collectives", "step3_multi_gpu/bench_collectives.py", [], nproc=4,
+        figures={"04_collectives_busbw.png": "collectives.png", "04_collectives_table.md": "collectives.md"}),
+    Run("commlab_ring", "step3_multi_gpu/ring_allreduce.py", [], nproc=4,
+        figures={"04_ring_vs_allreduce.png": "ring_vs_allreduce.png", "04_ring_table.md": "ring_allreduce.md"}),
+    Run("commlab_comm_hooks", "step3_multi_gpu/compare_comm_hooks.py",
+        ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], nproc=4,
+        figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
+]
+
+RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4
 
 
 def run_dir(name: str, suffix: str = "") -> Path:
