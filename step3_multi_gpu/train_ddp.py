@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import cli
+from common import cli, comm_hooks
 from common.comm import CommCounter
 from common.data import Batches, load_corpus
 from common.distributed import distributed
@@ -38,7 +38,9 @@ def main(argv=None):
     p.add_argument("--grad-accum-steps", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are all-reduced after the last only (default: 1)")
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
+    comm_hooks.add_comm_hook_flag(p)
     args = cli.parse(p, argv)
+    comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed(args.device) as ctx:
         launch_hint(ctx, "step3_multi_gpu/train_ddp.py")
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
@@ -55,6 +57,8 @@ def main(argv=None):
         # second copy of 4 bytes per parameter. The buffers (RoPE tables) are constants: no
         # need to broadcast them before every forward.
         model = DDP(model, device_mesh=mesh, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+        # --comm-hook fp16/powersgd: compress each gradient bucket before it is all-reduced
+        comm_hooks.register_comm_hook(model, args.comm_hook, **comm_hooks.powersgd_options(args))
         if args.zero1:
             # Each rank keeps AdamW state for 1/W of the parameters, updates only those and
             # broadcasts them to the others: 8N/W bytes of state instead of 8N.
