@@ -269,22 +269,22 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
 class ComputeTimer:
     """Time each stage's forward and backward micro-batch computations (the busy time).
 
-    Wraps the stage methods every ``torch.distributed.pipelining`` schedule calls, so the
-    time a rank spends waiting for its neighbours (the bubble) is what is left of the
-    step. ``busy_s`` is wall-clock time; ``busy_cpu_s`` is this thread's CPU time, which
-    stays honest when several ranks share one CPU core.
+    Wraps the stage methods every ``torch.distributed.pipelining`` schedule calls, and the
+    schedule's ``step``. The bubble is the rest of the pipeline's step: waiting for the
+    neighbours. Wall-clock timestamps (``time.time()``) let ``bubble_report`` line the
+    ranks up on one shared time axis (the ranks of one machine share its clock).
     """
 
     def __init__(self, schedule, stages):
-        self.busy_s = self.busy_cpu_s = self.step_s = 0.0
+        self.busy_s, self.start, self.end = 0.0, None, None
         step = schedule.step
 
         def timed_step(*args, **kwargs):
-            t = time.perf_counter()
+            self.start = time.time()
             try:
                 return step(*args, **kwargs)
             finally:
-                self.step_s += time.perf_counter() - t
+                self.end = time.time()
         schedule.step = timed_step
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -293,18 +293,17 @@ class ComputeTimer:
 
     def _timed(self, fn):
         def run(*args, **kwargs):
-            t, c = time.perf_counter(), time.thread_time()
+            t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.busy_s += time.perf_counter() - t
-                self.busy_cpu_s += time.thread_time() - c
         return run
 
     def take(self) -> dict[str, float]:
-        """Seconds since the last call: the schedule's step, and the compute in it (wall, CPU)."""
-        out = {"pipeline_s": self.step_s, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s}
-        self.busy_s = self.busy_cpu_s = self.step_s = 0.0
+        """This step's compute seconds and the schedule step's start and end timestamps."""
+        out = {"busy_s": self.busy_s, "pipeline_start": self.start, "pipeline_end": self.end}
+        self.busy_s = 0.0
         return out
 
 
@@ -314,20 +313,33 @@ def bubble_formula(schedule: str, pp: int, microbatches: int) -> float:
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> dict:
-    """Measured idle fraction per rank (mean over the untraced steps after the first), beside theory.
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
-    Every rank must call this (it gathers each rank's timings).
+
+def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> dict:
+    """Measured idle fraction per rank beside the formula and the schedule simulation.
+
+    A step's window runs from the first rank entering the schedule's step to the last rank
+    leaving it; a rank's idle time is the window minus its compute. Median over the
+    untraced steps after the first (a median shrugs off a step where another program took
+    the CPU). Every rank must call this (it gathers each rank's timings).
     """
     rows = [r for r in metrics.rows[1:] if not r["traced"]] or metrics.rows
-    mine = {k: sum(r[k] for r in rows) / len(rows) for k in ("pipeline_s", "busy_s", "busy_cpu_s")}
-    mine["rank"] = ctx.rank
+    mine = [(r["step"], r["pipeline_start"], r["pipeline_end"], r["busy_s"]) for r in rows]
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    for r in everyone:
-        r["idle_fraction"] = 1 - r["busy_s"] / r["pipeline_s"]
-        r["idle_fraction_cpu"] = 1 - r["busy_cpu_s"] / r["pipeline_s"]
-    out = {"per_rank": everyone, "formula": bubble_formula(schedule, pp, microbatches)}
+    windows = [max(rank[i][2] for rank in everyone) - min(rank[i][1] for rank in everyone)
+               for i in range(len(mine))]
+    per_rank = []
+    for rank, steps in enumerate(everyone):
+        busy = [s[3] for s in steps]
+        per_rank.append({"rank": rank, "busy_s": _median(busy),
+                         "idle_s": _median([w - b for w, b in zip(windows, busy)]),
+                         "idle_fraction": _median([1 - b / w for w, b in zip(windows, busy)])})
+    window = _median(windows)
+    out = {"window_s": window, "per_rank": per_rank, "formula": bubble_formula(schedule, pp, microbatches)}
     if schedule in ("gpipe", "1f1b"):
         out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
     return out
@@ -441,3 +453,71 @@ class StepComm:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return everyone
+
+
+# ---- the chapter's table -------------------------------------------------------------------
+_LABELS = {
+    "tp": "TP {tp}", "tp_sp": "TP {tp} + sequence parallel", "pp_gpipe": "PP {pp}, GPipe",
+    "pp_1f1b": "PP {pp}, 1F1B", "pp_interleaved": "PP {pp}, interleaved 1F1B (2 stages/rank)",
+    "2d": "2-D: FSDP {dp} x TP {tp}", "fsdp_via_2d": "FSDP {dp} (train_2d.py --tp 1)", "ddp": "DDP {dp}",
+    "fsdp": "FSDP {dp} (train_fsdp.py)",
+}
+
+
+def _sent(comm: dict) -> tuple[float, float]:
+    """(logical, wire) bytes a rank sends per step: everything but what it receives."""
+    keep = [v for k, v in comm.items() if k != "recv"]
+    return sum(v["bytes"] for v in keep), sum(v["wire_bytes"] for v in keep)
+
+
+def chapter3b_table(runs_dir, names: list[str]) -> str:
+    """One row per strategy from its summary.json: per-rank memory, bytes sent, step time."""
+    import json
+    from pathlib import Path
+
+    from common.memory import fmt_bytes
+    from common.model import count_params
+
+    def span(values, fmt=fmt_bytes):
+        lo, hi = min(values), max(values)
+        return fmt(lo) if abs(hi - lo) <= 0.005 * max(hi, 1) else f"{fmt(lo)} – {fmt(hi)}"
+
+    head = ("| strategy | parameters / rank | gradients / rank | AdamW state / rank | activations / rank "
+            "(peak) | peak / rank | sent per step / rank (logical) | on the wire / rank | step time |")
+    lines = [head, "|" + "---|" * 9]
+    s = None
+    for name in names:
+        path = Path(runs_dir) / name / "summary.json"
+        if not path.exists():
+            continue
+        s = json.loads(path.read_text())
+        par = {"tp": 1, "pp": 1, "dp": 1, **s.get("parallel", {})}
+        mem = s["memory"]
+        cat = lambda c: [m["peak_by_category"][c] for m in mem]  # noqa: E731
+        comm = s.get("comm") or [{}]
+        sent = [_sent(c) for c in comm]
+        label = _LABELS.get(name, name).format(**par)
+        if "microbatches" in s:
+            label += f", m={s['microbatches']}"
+        lines.append(f"| {label} | {span(cat('parameters'))} | {span(cat('gradients'))} | "
+                     f"{span(cat('optimizer state'))} | {span(cat('activations'))} | "
+                     f"{span([m['peak_bytes'] for m in mem])} | {span([a for a, _ in sent])} | "
+                     f"{span([b for _, b in sent])} | {s['step_time_s'] * 1e3:,.0f} ms |")
+    if s is None:
+        return "(no runs found)"
+    cfg = s["model_config"]
+    n = s["n_params"]
+    world = s["world_size"]
+    if not any((Path(runs_dir) / d / "summary.json").exists() for d in ("ddp",)):
+        tensors = 9 * cfg["n_layers"] + 3
+        lines.append(f"| DDP {world} (formula, not run in this checkout) | {fmt_bytes(4 * n)} | {fmt_bytes(4 * n)} | "
+                     f"{fmt_bytes(8 * n + 4 * tensors)} | as one device at batch/{world} | | {fmt_bytes(4 * n)} | "
+                     f"{fmt_bytes(2 * (world - 1) / world * 4 * n)} | |")
+    assert n == count_params(ModelConfig(**cfg))
+    lines += ["", f"Measured on {s['device_name']} ({s['backend']}), {world} ranks, fp32: the {s['model']} preset with "
+              f"{cfg['n_layers']} layers (N = {n:,} parameters, {fmt_bytes(4 * n)} of fp32 weights), global batch "
+              f"{s['global_batch_size']} x {s['seq_len']} tokens. Memory: the tracer's peak per category "
+              f"(a range where the ranks differ). Bytes: per optimizer step, as common/comm.py counts them; "
+              f"'on the wire' is what a ring algorithm makes each rank send. Step time: rank 0's mean "
+              f"over the untraced steps after the first."]
+    return "\n".join(lines)

@@ -86,7 +86,7 @@ def main():
         if args.save_weights:
             save_full_weights([model], ctx, args.out / "weights.pt")
         metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
-                       comm_per_step=comm.summary())
+                       comm=comm.summary())
 
 
 if __name__ == "__main__":

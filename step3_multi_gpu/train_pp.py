@@ -91,7 +91,7 @@ def main():
         bubble = bubble_report(metrics, ctx, args.schedule, pp, args.microbatches)
         metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                        stage_layers=stage_layers(args.model_config.n_layers, n_stages),
-                       comm_per_step=comm.summary(), bubble=bubble)
+                       comm=comm.summary(), bubble=bubble)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main():
         if args.save_weights:
             save_full_weights([model], ctx, args.out / "weights.pt")
         metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
-                       loss_parallel=args.loss_parallel, comm_per_step=comm.summary(),
+                       loss_parallel=args.loss_parallel, comm=comm.summary(),
                        comm_expected=tp_bytes_per_step(args.model_config, args.global_batch_size, args.seq_len,
                                                        args.sequence_parallel))
 

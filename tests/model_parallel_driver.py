@@ -4,7 +4,7 @@
 
 Starting four processes that import torch takes most of ten seconds on a 2-core machine,
 so instead of one launch per check, every rank runs the step scripts' ``main()`` one after
-another (each sets up and tears down its own process group), with bad flags too. Rank 0
+another (common/multirun.py), with bad flags too. Rank 0
 also trains the single-process reference (the step 1 loop) for each configuration and
 writes OUT_DIR/results.json for tests/test_model_parallel.py to assert on.
 
@@ -12,9 +12,6 @@ Each case in CASES_JSON: {"name", "script", "flags": [...], "expect_error": bool
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import json
 import os
 import sys
@@ -25,39 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import cli  # noqa: E402
 from common.data import Batches, load_corpus  # noqa: E402
 from common.model import build_model  # noqa: E402
+from common.multirun import run_script  # noqa: E402
 from common.training import adamw, lr_schedule  # noqa: E402
 
-RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-# The scripts call init_process_group once each. Re-initialising on torchrun's store would
-# reuse the previous group's keys (gloo then connects to stale addresses), so give every
-# group its own key prefix on the agent's store.
-_agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-_init = dist.init_process_group
-_count = 0
-
-
-def _fresh_init(backend=None, **kwargs):
-    global _count
-    _count += 1
-    store = dist.PrefixStore(f"driver_case_{_count}", _agent_store)
-    return _init(backend, store=store, rank=RANK, world_size=WORLD, **kwargs)
-
-
-dist.init_process_group = _fresh_init
-
-
-def load_main(script: str):
-    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+RANK = int(os.environ["RANK"])
 
 
 def reference(flags: list[str]) -> dict:
@@ -98,16 +71,9 @@ def main():
     for case in cases:
         case_out = out_dir / case["name"]
         flags = case["flags"] + ["--out", str(case_out), "--device", "cpu"]
-        main_fn = load_main(case["script"])
-        sys.argv = [str(ROOT / case["script"]), *flags]
-        err = io.StringIO()
-        code, t0 = 0, time.perf_counter()
-        with contextlib.redirect_stderr(err):
-            try:
-                main_fn()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-        res = {"exit_code": code, "stderr_tail": err.getvalue()[-2000:], "wall_s": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        code, err = run_script(case["script"], flags, capture_stderr=True)
+        res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0}
         if RANK == 0 and code == 0 and not case.get("expect_error"):
             key = json.dumps(shared_flags(case["flags"]))
             if key not in refs:

@@ -190,7 +190,7 @@ def test_tp_bytes_match_the_formula(runs):
     for n, name, model in ((2, "tp2", "debug"), (4, "tp4", "small")):
         cfg = get_config(model)
         act = BATCH * SEQ * cfg.dim * 4
-        for rank_comm in result(runs, n, name)["summary"]["comm_per_step"]:
+        for rank_comm in result(runs, n, name)["summary"]["comm"]:
             assert set(rank_comm) == {"all_reduce"}
             assert rank_comm["all_reduce"]["calls"] == 4 * cfg.n_layers + 2
             assert rank_comm["all_reduce"]["bytes"] == tp_bytes_per_step(cfg, BATCH, SEQ, False)["all_reduce"]
@@ -201,7 +201,7 @@ def test_tp_bytes_match_the_formula(runs):
 def test_sequence_parallel_trades_all_reduce_for_gather_and_scatter(runs):
     cfg = get_config("small")
     expected = tp_bytes_per_step(cfg, BATCH, SEQ, True)
-    comm = result(runs, 4, "tp4_sp")["summary"]["comm_per_step"][0]
+    comm = result(runs, 4, "tp4_sp")["summary"]["comm"][0]
     assert comm["all_gather"]["bytes"] == expected["all_gather"]
     assert comm["reduce_scatter"]["bytes"] == expected["reduce_scatter"]
     # (The norm gains' gradients are left Partial by backward and summed inside DTensor's
@@ -216,7 +216,7 @@ def test_pp_sends_one_activation_per_micro_batch_and_boundary(runs):
     act = BATCH * SEQ * cfg.dim * 4  # the whole batch crosses each stage boundary once each way
     for n, name, loops in ((2, "pp2_gpipe", 1), (4, "pp4_1f1b", 1), (2, "pp2_interleaved", 2),
                            (4, "pp4_interleaved", 2)):
-        comm = result(runs, n, name)["summary"]["comm_per_step"]
+        comm = result(runs, n, name)["summary"]["comm"]
         for rank, c in enumerate(comm):
             # each stage boundary on this rank: activations out (forward), gradients back in
             outgoing = loops - (1 if rank == n - 1 else 0)
@@ -235,7 +235,7 @@ def test_2d_bytes(runs):
     per_tp_rank = {k: v if k.endswith("norm.weight") else v // 2 for k, v in numels.items()}
     total = 4 * sum(per_tp_rank.values())
     root = 4 * sum(v for k, v in per_tp_rank.items() if not k.startswith("layers."))
-    for c in result(runs, 4, "2d")["summary"]["comm_per_step"]:
+    for c in result(runs, 4, "2d")["summary"]["comm"]:
         assert c["all_gather"]["bytes"] == 2 * total - root
         assert c["reduce_scatter"]["bytes"] == total
         assert c["all_reduce"]["bytes"] == (4 * cfg.n_layers + 2) * (BATCH // 2) * SEQ * cfg.dim * 4
