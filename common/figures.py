@@ -43,8 +43,8 @@ CHAPTER3A: list[Run] = []
 # Every strategy on the same 4 ranks, model, data and batch, so the table compares like
 # with like. 8 layers: the interleaved schedule needs two stages per rank. They run in one
 # torchrun job (common/multirun.py): on 2 cores each launch of 4 ranks costs ~10 s.
-_3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "128", "--steps", "5",
-       "--eval-batches", "2", "--trace-start", "1", "--trace-steps", "2"]
+_3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
+       "--eval-batches", "1", "--trace-start", "1", "--trace-steps", "2"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
 PLANS: dict[str, list[tuple[str, str, list[str]]]] = {"03_strategies": [
     ("tp", _TP, _3B),
@@ -60,6 +60,7 @@ PLANS: dict[str, list[tuple[str, str, list[str]]]] = {"03_strategies": [
       if (ROOT / s).exists()],
 ]}
 CHAPTER3B: list[Run] = [
+    Run("03_single", "step1_single_gpu/train.py", _3B, figures={"03_memory_trace_single.png": "memory_trace.png"}),
     Run("03_strategies", "common/multirun.py", ["--plan", "03_strategies"], nproc=4, figures={
         "03_memory_trace_tp.png": "tp/memory_trace.png",
         "03_memory_trace_tp_sp.png": "tp_sp/memory_trace.png",
@@ -86,7 +87,8 @@ def chapter3b_table(suffix: str = "", only: str = "") -> dict[str, str]:
     if not runs.exists():
         print(f"skipped the chapter 3b table: {runs} is missing", flush=True)
         return {}
-    md = table(runs, [name for name, _, _ in PLANS["03_strategies"]])
+    single = ROOT / "runs" / "figs" / ("03_single" + suffix)
+    md = table(runs, [name for name, _, _ in PLANS["03_strategies"]], single=single)
     (ROOT / "figs" / f"03_table{suffix}.md").write_text(md + "\n")
     print(f"wrote figs/03_table{suffix}.md", flush=True)
     return {"table-03b" + suffix: md}

@@ -58,6 +58,13 @@ def _plain_tensors(obj):
             yield t
 
 
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _Record:
     __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref")
 
@@ -73,7 +80,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracer._on_op(out)
+        self.tracer._on_op(out, (args, kwargs))
         return out
 
 
@@ -233,7 +240,7 @@ class MemoryTracer:
             self.phases.pop()  # the previous phase saw no allocation: drop the empty span
         self.phases.append((self._t, phase))  # None: between steps
 
-    def _on_op(self, out):
+    def _on_op(self, out, inputs=()):
         tensors = list(_plain_tensors(out))
         if not tensors:  # profiler markers and the like: no memory, no phase change
             return
@@ -244,8 +251,14 @@ class MemoryTracer:
         else:
             phase = "forward"
         self._set_phase(phase)
-        for t in tensors:
-            self._track(t)
+        new = [t for t in tensors if _storage_key(t) not in self._live]
+        if new:
+            # An output that shares its storage with an input (a view, an in-place or out=
+            # op) allocated nothing: a slice of the data set is not a new tensor.
+            aliased = {_storage_key(t) for t in _plain_tensors(inputs)}
+            for t in new:
+                if _storage_key(t) not in aliased:
+                    self._track(t)
 
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
