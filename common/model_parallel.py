@@ -19,8 +19,8 @@ weights back into one state dict, counting bytes per step and timing pipeline co
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,7 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False, loss_
     """
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     norm = SequenceParallel() if sequence_parallel else None
-    parallelize_module(model, tp_mesh, {
+    outer = {
         # Split by vocabulary rows: each rank looks up the tokens in its range and an
         # all-reduce (or reduce-scatter, with SP) fills in the rest.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
@@ -80,7 +80,9 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False, loss_
         "output": ColwiseParallel(input_layouts=between,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # A pipeline stage may lack the embedding or the head (set to None): plan what is there.
+    parallelize_module(model, tp_mesh, {k: v for k, v in outer.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         plan = {
             # One redistribution of the block input for q, k and v together: without it each
@@ -138,6 +140,10 @@ def apply_fsdp(model: Transformer, dp_mesh, **fsdp_kwargs):
     meshes must be slices of one parent mesh.
     """
     from torch.distributed.fsdp import fully_shard
+    if dp_mesh.size() == 1:
+        # Nothing to shard over one rank. (And on torch 2.13, initialising a 2-D DTensor
+        # whose FSDP dimension has one rank fails in gloo's scatter.)
+        return model
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
     fully_shard(model, mesh=dp_mesh, **fsdp_kwargs)
@@ -205,13 +211,14 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
                         f"micro-batches; use a multiple of {microbatches}.")
 
 
-def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0) -> Transformer:
+def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0, parallelize=None) -> Transformer:
     """The part of the model that pipeline stage ``stage`` owns, with the full model's weights.
 
     Built on the meta device, pruned, then materialised: a rank never allocates the layers
-    it does not own. Layer names keep their global index and ``init_weights`` seeds each
-    parameter by its name, so the weights equal the single-process model's. The RoPE
-    tables are buffers of the model, so every stage has them.
+    it does not own. ``parallelize(module)``, if given, runs before materialising (tensor
+    parallelism or FSDP inside the stage, for 3-D). Layer names keep their global index
+    and ``init_weights`` seeds each parameter by its name, so the weights equal the
+    single-process model's. The RoPE tables are buffers of the model, so every stage has them.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -223,6 +230,8 @@ def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int =
     if stage != n_stages - 1:
         model.norm = None
         model.output = None
+    if parallelize is not None:
+        parallelize(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
@@ -292,15 +301,21 @@ class ComputeTimer:
     ranks up on one shared time axis (the ranks of one machine share its clock).
     """
 
-    def __init__(self, schedule, stages):
+    def __init__(self, schedule, stages, device):
         self.busy_s, self.start, self.end = 0.0, None, None
+        # A GPU runs asynchronously: wait for it around each timed piece, or the host's
+        # clock measures kernel launches rather than kernels. (That wait removes a little
+        # overlap of communication with compute, so the GPU bubble is slightly overstated.)
+        self._sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
         step = schedule.step
 
         def timed_step(*args, **kwargs):
+            self._sync()
             self.start = time.time()
             try:
                 return step(*args, **kwargs)
             finally:
+                self._sync()
                 self.end = time.time()
         schedule.step = timed_step
         for stage in stages:
@@ -310,10 +325,12 @@ class ComputeTimer:
 
     def _timed(self, fn):
         def run(*args, **kwargs):
+            self._sync()
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self._sync()
                 self.busy_s += time.perf_counter() - t
         return run
 
@@ -362,28 +379,35 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> di
     return out
 
 
+def pipeline_loss(losses: list[torch.Tensor], last_rank: int, device, group=None) -> torch.Tensor:
+    """The batch loss on every rank of the pipeline: the last stage's mean over micro-batches,
+    broadcast from ``last_rank`` (its rank within ``group``)."""
+    loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
+    src = last_rank if group is None else dist.get_global_rank(group, last_rank)
+    dist.broadcast(loss, src=src, group=group)
+    return loss
+
+
 @torch.no_grad()
-def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last: bool, last_rank: int):
-    """Validation loss through the pipeline: forward-only passes of the schedule."""
+def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last: bool, last_rank: int,
+                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1):
+    """Validation loss through the pipeline: forward-only passes of the schedule.
+
+    With data parallelism too (3-D), each pipeline evaluates its share of every batch and
+    the losses are averaged over ``dp_group``.
+    """
     if args.eval_batches == 0 or len(tokens) <= args.seq_len * args.global_batch_size or not hasattr(schedule, "eval"):
         return None
     from common.data import Batches
-    batches = iter(Batches(tokens, args.seq_len, args.global_batch_size, shuffle=False))
+    batches = iter(Batches(tokens, args.seq_len, args.global_batch_size, dp_rank, dp_size, shuffle=False))
     total = 0.0
     for _ in range(args.eval_batches):
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
         losses = []
         schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
-        total += pipeline_loss(losses, last_rank, device).item()
+        total += global_loss(pipeline_loss(losses, last_rank, device, pp_group), dp_group, dp_size).item()
     return total / args.eval_batches
-
-
-def pipeline_loss(losses: list[torch.Tensor], last_rank: int, device, group=None) -> torch.Tensor:
-    """The global-batch loss on every rank: the last stage's mean over micro-batches, broadcast."""
-    loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
-    dist.broadcast(loss, src=last_rank, group=group)
-    return loss
 
 
 # ---- shared plumbing ----------------------------------------------------------------------------
@@ -408,14 +432,17 @@ def full_state_dict(modules: list[nn.Module], ctx, merge_ranks: bool = False) ->
     must call this.
     """
     mine = {}
-    with warnings.catch_warnings():
-        # 2-D (FSDP over TP) shards gather in two steps; DTensor warns that this is slow.
-        # Once per checkpoint it does not matter.
-        warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+    # 2-D (FSDP over TP) shards gather in two steps and DTensor logs that this is slow;
+    # once per checkpoint it does not matter.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, log.level = log.level, logging.ERROR
+    try:
         for m in modules:
             for k, v in m.state_dict().items():
                 v = v.full_tensor() if isinstance(v, DTensor) else v
                 mine[k] = v.detach().cpu()
+    finally:
+        log.setLevel(level)
     if not merge_ranks or ctx.world_size == 1:
         return mine if ctx.is_main else None
     parts = [None] * ctx.world_size if ctx.is_main else None

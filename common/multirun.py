@@ -6,6 +6,11 @@ launch once and call the scripts one after another. Each ``main()`` sets up and 
 down its own process group. Re-initialising on torchrun's store would reuse the previous
 group's keys (gloo then connects to stale addresses and fails), so ``allow_reinit()``
 gives every new group a fresh key prefix on the launcher's store.
+
+A known limit: DTensor caches sharding decisions (in C++) keyed by meshes that compare
+equal by shape and ranks, not by process group. Two runs in one job whose meshes have an
+equal sub-mesh built in a different order (a 2-D (dp, tp) and a 3-D (pp, dp, tp) mesh)
+can pick up the first run's stale group. Keep such runs in separate jobs.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def main():
                               start=args.trace_start, steps=args.trace_steps)
         metrics = Metrics(args, ctx, optimizer, parallel={"pp": pp})
         comm = StepComm()
-        timer = ComputeTimer(schedule, stages)
+        timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
         for step in metrics.progress():
             with tracer.record(step), comm.count(step):
                 x, y = next(batches)
