@@ -71,7 +71,7 @@ CHAPTER3B: list[Run] = [
     Run("03_bubble", "common/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
          "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
-        nproc=2, figures={"03_pipeline_bubble.png": "pipeline_bubble.png"}),
+        nproc=2, figures={"03_pipeline_bubble.png": "pipeline_bubble.png", "03_pipeline_bubble.md": "pipeline_bubble.md"}),
 ]
 
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B

@@ -50,7 +50,22 @@ def main():
                                 "step_time_s": s["step_time_s"]})
     if int(os.environ.get("RANK", "0")) == 0:
         (out / "pipeline_bubble.json").write_text(json.dumps(results, indent=1))
+        (out / "pipeline_bubble.md").write_text(table(results) + "\n")
         plot(results, out / "pipeline_bubble.png", " ".join(rest))
+
+
+def table(results: list[dict]) -> str:
+    """Idle fraction per rank against (p-1)/(m+p-1), one row per schedule and m."""
+    pp = results[0]["pp"]
+    lines = ["| schedule | m | step (ms) | " + " | ".join(f"rank {i} busy / idle (ms)" for i in range(pp))
+             + " | idle fraction, measured | (p-1)/(m+p-1) |", "|" + "---|" * (pp + 5)]
+    for r in results:
+        ranks = r["per_rank"]
+        times = " | ".join(f"{x['busy_s'] * 1e3:.0f} / {x['idle_s'] * 1e3:.0f}" for x in ranks)
+        idle = " / ".join(f"{x['idle_fraction']:.2f}" for x in ranks)
+        lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['window_s'] * 1e3:.0f} | {times} | {idle} | "
+                     f"{r['formula']:.2f} |")
+    return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path, flags: str):
