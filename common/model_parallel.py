@@ -40,11 +40,13 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
 # ---- tensor parallelism ------------------------------------------------------------------
 def check_tp(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool):
     """Refuse shapes that do not split evenly over ``tp`` ranks (before any collective)."""
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
-                    ("vocab_size", cfg.vocab_size)):
+    for what, n, unit in (("n_heads", cfg.n_heads, "attention heads"),
+                          ("n_kv_heads", cfg.n_kv_heads, "key/value heads"),
+                          ("ffn_dim", cfg.ffn_dim, "MLP hidden units"),
+                          ("vocab_size", cfg.vocab_size, "tokens")):
         if n % tp:
             raise UserError(f"the model's {what} ({n}) is not divisible by the tensor-parallel degree {tp}; "
-                            f"choose a degree that divides it (or a model with more {what.split('_')[-1]}).")
+                            f"choose a degree that divides it (or a model with more {unit}).")
     if sequence_parallel and seq_len % tp:
         raise UserError(f"--seq-len {seq_len} is not divisible by the tensor-parallel degree {tp}, which "
                         f"sequence parallelism splits it over; use a multiple of {tp}.")
@@ -458,16 +460,6 @@ def save_full_weights(modules: list[nn.Module], ctx, path, merge_ranks: bool = F
     if state is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
-
-
-def param_bytes(modules) -> int:
-    """Bytes of parameters this rank holds (local shards of DTensors)."""
-    total = 0
-    for m in modules:
-        for p in m.parameters():
-            t = p.to_local() if isinstance(p, DTensor) else p
-            total += t.numel() * t.element_size()
-    return total
 
 
 class StepComm:

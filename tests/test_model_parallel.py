@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.model import Transformer, get_config  # noqa: E402
-from common.model_parallel import stage_layers, tp_bytes_per_step  # noqa: E402
+from common.model_parallel import (bubble_formula, simulate_schedule, stage_layers,  # noqa: E402
+                                   tp_bytes_per_step)
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -70,7 +71,7 @@ CASES = {
         case("2d", TWO_D, "--model", "debug", "--tp", "2"),
         case("err_tp_heads", TP, "--model", "debug",
              error="the model's n_kv_heads (2) is not divisible by the tensor-parallel degree 4; choose a degree "
-                   "that divides it (or a model with more heads)."),
+                   "that divides it (or a model with more key/value heads)."),
         case("err_sp_seq", TP, "--model", "small", "--sequence-parallel", "--seq-len", "30",
              error="--seq-len 30 is not divisible by the tensor-parallel degree 4, which sequence parallelism "
                    "splits it over; use a multiple of 4."),
@@ -271,3 +272,22 @@ def test_bad_mesh_shape_exits_without_hanging(runs):
     assert "error: a 3 x 2 mesh (dp, tp) needs 6 ranks but 4 were launched" in stderr
     workers = stderr.split("failed (exitcode")[0]  # what follows is torchrun's own report
     assert "Traceback" not in workers
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedule_simulation_gives_the_bubble_formula(schedule):
+    """Playing the textbook orders with any forward/backward costs idles (p-1)/(m+p-1) of the step."""
+    for p in (1, 2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 8, 16):
+            if schedule == "1f1b" and m < p:
+                continue
+            for f, b in ((1, 2), (1, 1), (2, 3)):
+                idle, _ = simulate_schedule(schedule, p, m, f, b)
+                assert idle == pytest.approx([bubble_formula(schedule, p, m)] * p, abs=1e-12), (p, m, f, b)
+
+
+def test_stage_layers_puts_the_extra_layers_last():
+    assert stage_layers(5, 2) == [[0, 1], [2, 3, 4]]
+    assert stage_layers(5, 4) == [[0], [1], [2], [3, 4]]
+    assert stage_layers(6, 4) == [[0], [1], [2, 3], [4, 5]]
+    assert stage_layers(8, 8) == [[i] for i in range(8)]
