@@ -178,13 +178,13 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
 
 
 def write_chapter3a_table(suffix: str = "", only: str = "") -> dict[str, str]:
-    """A POST_STEPS entry of common/figures.py: figs/03_table.md, and the README block."""
+    """A POST_STEPS entry of common/figures.py: figs/03a_table.md, and the README block."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     md = chapter3a_table(root / "runs" / "figs", suffix)
     if not md:
         return {}
-    (root / "figs" / f"03_table{suffix}.md").write_text(md + "\n")
-    print(f"wrote figs/03_table{suffix}.md", flush=True)
+    (root / "figs" / f"03a_table{suffix}.md").write_text(md + "\n")
+    print(f"wrote figs/03a_table{suffix}.md", flush=True)
     return {"table-03a" + suffix: md}

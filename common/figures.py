@@ -57,7 +57,39 @@ CHAPTER3A: list[Run] = [
 ]
 
 # ---- chapter 3b: the model-parallel family --------------------------------------------
-CHAPTER3B: list[Run] = []
+# Every strategy on the same 4 ranks, model, data and batch, so the table compares like
+# with like. 8 layers: the interleaved schedule needs two stages per rank. They run in one
+# torchrun job (common/multirun.py): on 2 cores each launch of 4 ranks costs ~10 s.
+_3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
+       "--eval-batches", "1", "--trace-start", "1", "--trace-steps", "2"]
+_TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
+PLANS: dict[str, list[tuple[str, str, list[str]]]] = {"03_strategies": [
+    ("tp", _TP, _3B),
+    ("tp_sp", _TP, _3B + ["--sequence-parallel"]),
+    ("pp_gpipe", _PP, _3B + ["--schedule", "gpipe", "--microbatches", "8"]),
+    ("pp_1f1b", _PP, _3B + ["--schedule", "1f1b", "--microbatches", "8"]),
+    ("pp_interleaved", _PP, _3B + ["--schedule", "interleaved1f1b", "--microbatches", "8"]),
+    ("2d", _2D, _3B + ["--tp", "2"]),
+    ("fsdp_via_2d", _2D, _3B + ["--tp", "1"]),  # FSDP alone: a 4 x 1 mesh
+    # chapter 3a's scripts, where this checkout has them, on the same footing
+    *[(Path(s).stem.removeprefix("train_"), s, _3B) for s in ("step3_multi_gpu/train_ddp.py",
+                                                              "step3_multi_gpu/train_fsdp.py")
+      if (ROOT / s).exists()],
+]}
+CHAPTER3B: list[Run] = [
+    Run("03_single", "step1_single_gpu/train.py", _3B, figures={"03_memory_trace_single.png": "memory_trace.png"}),
+    Run("03_strategies", "common/multirun.py", ["--plan", "03_strategies"], nproc=4, figures={
+        "03_memory_trace_tp.png": "tp/memory_trace.png",
+        "03_memory_trace_tp_sp.png": "tp_sp/memory_trace.png",
+        "03_memory_trace_pp.png": "pp_1f1b/memory_trace.png",
+        "03_memory_trace_pp_gpipe.png": "pp_gpipe/memory_trace.png",
+        "03_memory_trace_2d.png": "2d/memory_trace.png"}),
+    # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
+    Run("03_bubble", "common/pipeline_bubble.py",
+        ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
+         "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
+        nproc=2, figures={"03_pipeline_bubble.png": "pipeline_bubble.png", "03_pipeline_bubble.md": "pipeline_bubble.md"}),
+]
 
 # ---- chapter 4: the communication lab (docs/commlab.md) -------------------------------
 CHAPTER4 = [
@@ -116,10 +148,28 @@ def chapter1_table(suffix: str) -> dict[str, str]:
     return {"table-01" + suffix: "\n".join(lines)}
 
 
+def chapter3b_table(suffix: str = "", only: str = "") -> dict[str, str]:
+    """Measured per-rank memory, bytes and step time of every strategy in the 03_strategies
+    plan; written to figs/03b_table.md and returned as {README marker: markdown}."""
+    from common.model_parallel import chapter3b_table as table
+    if only and not ("03b_table".startswith(only) or only.startswith("03")):
+        return {}
+    runs = ROOT / "runs" / "figs" / ("03_strategies" + suffix)
+    if not runs.exists():
+        print(f"skipped the chapter 3b table: {runs} is missing", flush=True)
+        return {}
+    single = ROOT / "runs" / "figs" / ("03_single" + suffix)
+    md = table(runs, [name for name, _, _ in PLANS["03_strategies"]], single=single)
+    (ROOT / "figs" / f"03b_table{suffix}.md").write_text(md + "\n")
+    print(f"wrote figs/03b_table{suffix}.md", flush=True)
+    return {"table-03b" + suffix: md}
+
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
 # callables(suffix) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table, write_chapter3a_table]
+POST_STEPS = [chapter1_table, write_chapter3a_table, chapter3b_table]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):

@@ -1,0 +1,86 @@
+"""Run a step script's ``main()`` several times inside one torchrun job.
+
+Starting four processes that import torch costs about ten seconds on a 2-core machine;
+sweeps (the pipeline-bubble figure) and the tests run many short trainings, so they
+launch once and call the scripts one after another. Each ``main()`` sets up and tears
+down its own process group. Re-initialising on torchrun's store would reuse the previous
+group's keys (gloo then connects to stale addresses and fails), so ``allow_reinit()``
+gives every new group a fresh key prefix on the launcher's store.
+
+A known limit: DTensor caches sharding decisions (in C++) keyed by meshes that compare
+equal by shape and ranks, not by process group. Two runs in one job whose meshes have an
+equal sub-mesh built in a different order (a 2-D (dp, tp) and a 3-D (pp, dp, tp) mesh)
+can pick up the first run's stale group. Keep such runs in separate jobs.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+_state = {"count": 0, "store": None}
+
+
+def allow_reinit():
+    """Make ``dist.init_process_group`` safe to call again after ``destroy_process_group``."""
+    if _state["store"] is not None:
+        return
+    _state["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    init = dist.init_process_group
+
+    def fresh_init(backend=None, **kwargs):
+        _state["count"] += 1
+        store = dist.PrefixStore(f"multirun_{_state['count']}", _state["store"])
+        return init(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                    **kwargs)
+
+    dist.init_process_group = fresh_init
+
+
+def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tuple[int, str]:
+    """``python script argv...`` in this process: (exit code, captured stderr or '')."""
+    allow_reinit()
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved, sys.argv = sys.argv, [str(ROOT / script), *argv]
+    err = io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
+            module.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = saved
+    return code, err.getvalue()
+
+
+def main():
+    """``torchrun --nproc-per-node N common/multirun.py --plan NAME --out DIR``: the runs of a
+    plan in common/figures.py (PLANS), each into DIR/<run name>."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    from common.figures import PLANS
+    world = os.environ.get("WORLD_SIZE", "1")
+    for name, script, flags in PLANS[args.plan]:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"$ torchrun --nproc-per-node {world} {script} {' '.join(flags)}", flush=True)
+        code, _ = run_script(script, [*flags, "--out", str(Path(args.out) / name), "--device", args.device])
+        if code:
+            sys.exit(code)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

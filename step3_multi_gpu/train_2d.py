@@ -1,0 +1,95 @@
+"""Step 3b: 2-D parallelism. Tensor parallel inside a group of ranks, FSDP across groups.
+
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_2d.py --tp 2              (a 2 x 2 mesh)
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_2d.py --dp 2 --tp 2 --sequence-parallel
+
+The ranks form a (dp, tp) grid. Along tp, ranks split every weight matrix and work on the
+same batch (train_tp.py): chatty, so on a real cluster these are the GPUs of one node,
+joined by NVLink. Along dp, FSDP shards those shards again and each group reads its own
+slice of the batch (train_fsdp.py): one all-gather per block and one reduce-scatter of
+gradients per step, which overlap with compute and tolerate the slower network between
+nodes. Each rank holds 1/(dp x tp) of the weights, gradients and AdamW state.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed, require_launcher
+from common.errors import UserError, main_guard
+from common.memory import MemoryTracer
+from common.metrics import Metrics
+from common.model import Transformer
+from common.model_parallel import (StepComm, apply_fsdp, apply_tp, check_tp, global_loss, save_full_weights,
+                                   trace_fsdp)
+from common.training import adamw, evaluate, lr_schedule
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, the inner mesh dimension (default: 2)")
+    p.add_argument("--dp", type=int, default=None, help="FSDP degree, the outer dimension (default: world size / tp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
+    p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
+    args = cli.parse(p)
+    with distributed(args.device) as ctx:
+        require_launcher(ctx, "step3_multi_gpu/train_2d.py")
+        if args.tp <= 0 or (args.dp is not None and args.dp <= 0):
+            raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")
+        dp = args.dp or max(1, ctx.world_size // args.tp)
+        check_tp(args.model_config, args.tp, args.seq_len, args.sequence_parallel)
+        # tp is the inner (last) dimension: consecutive ranks, i.e. the GPUs of one node.
+        mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))
+        corpus = load_corpus(args.data, seed=args.seed)
+        # The data is split along dp only: the ranks of one TP group read the same samples.
+        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
+                               dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, seed=args.seed))
+
+        # Tensor parallel first (inside the node), then FSDP over the result (across nodes).
+        with torch.device("meta"):
+            model = Transformer(args.model_config)
+        apply_tp(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
+        apply_fsdp(model, mesh["dp"])
+        model.to_empty(device=ctx.device)
+        model.init_weights(args.seed)
+        optimizer = adamw(model.parameters(), args)
+        scheduler = lr_schedule(optimizer, args)
+
+        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
+                              start=args.trace_start, steps=args.trace_steps)
+        fsdp_traced = trace_fsdp(tracer, model)  # FSDP's gathered weights count as parameters
+        metrics = Metrics(args, ctx, optimizer, parallel={"dp": dp, "tp": args.tp})
+        comm = StepComm()
+        for step in metrics.progress():
+            with tracer.record(step), comm.count(step):
+                x, y = next(batches)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                logits = model(x)  # split over the vocabulary along tp
+                with loss_parallel():
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                    loss.backward()  # FSDP averages the gradients over dp
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            # Each TP group's loss is the mean over its share of the batch; average over dp.
+            metrics.log(step, global_loss(loss, mesh["dp"].get_group(), dp), traced=tracer.will_record(step))
+            scheduler.step()
+
+        with loss_parallel():
+            val_loss = evaluate(model, corpus.val, args, ctx.device)
+        memory = tracer.save(args.out, ctx, title=f"2-D parallel, FSDP {dp} x TP {args.tp}: {args.model} model, "
+                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
+        if args.save_weights:
+            save_full_weights([model], ctx, args.out / "weights.pt")
+        metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
+                       comm=comm.summary(), fsdp_memory_traced=fsdp_traced)
+
+
+if __name__ == "__main__":
+    main()

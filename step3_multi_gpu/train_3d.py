@@ -1,0 +1,110 @@
+"""Step 3b: 3-D parallelism. Pipeline stages across groups of nodes, FSDP across the
+nodes of a stage, tensor parallel inside a node: how the largest models train.
+
+    torchrun --nproc-per-node 8 step3_multi_gpu/train_3d.py --pp 2 --dp 2 --tp 2 --n-layers 4
+
+Rank r sits at (pp, dp, tp) in a grid, tp varying fastest: the ranks of a TP group are
+consecutive, i.e. on one node. Every stage of the pipeline is a 2-D (FSDP x TP) model of
+its own layers (train_2d.py), and each data-parallel replica of the pipeline reads its
+slice of the batch and runs the schedule on it (train_pp.py). The three use different
+links: TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters between the nodes
+of a stage, PP's point-to-point activations between stages.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed, require_launcher
+from common.errors import UserError, main_guard
+from common.memory import MemoryTracer
+from common.metrics import Metrics
+from common.model_parallel import (SCHEDULES, StepComm, apply_fsdp, apply_tp, build_stage, check_pp, check_tp,
+                                   global_loss, make_schedule, pipeline_evaluate, pipeline_loss, save_full_weights,
+                                   stage_indices, stage_layers, trace_fsdp)
+from common.training import adamw, lr_schedule
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages, the outer dimension (default: 2)")
+    p.add_argument("--dp", type=int, default=2, help="FSDP degree, the middle dimension (default: 2)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, the inner dimension (default: 2)")
+    p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
+    p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
+    p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
+    args = cli.parse(p)
+    with distributed(args.device) as ctx:
+        require_launcher(ctx, "step3_multi_gpu/train_3d.py")
+        if min(args.pp, args.dp, args.tp) <= 0:
+            raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
+        if args.global_batch_size % args.dp:
+            raise UserError(f"--global-batch-size {args.global_batch_size} does not divide among {args.dp} "
+                            f"data-parallel replicas; use a multiple of {args.dp}.")
+        check_tp(args.model_config, args.tp, args.seq_len, sequence_parallel=False)
+        check_pp(args.model_config, args.pp, args.schedule, args.microbatches, args.global_batch_size // args.dp)
+        mesh = ctx.mesh((args.pp, args.dp, args.tp), ("pp", "dp", "tp"))
+        pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        corpus = load_corpus(args.data, seed=args.seed)
+        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
+                               dp_rank=dp_rank, dp_size=args.dp, seed=args.seed))
+
+        def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
+            apply_tp(stage_model, mesh["tp"], loss_parallel=False)
+            # Keep the gathered weights through the step: otherwise FSDP would gather them
+            # again for every micro-batch's forward and backward.
+            apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False)
+
+        my_stages = stage_indices(pp_rank, args.pp, args.schedule)
+        n_stages = args.pp * len(my_stages)
+        models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
+        stages = [PipelineStage(m, s, n_stages, ctx.device, group=mesh["pp"].get_group())
+                  for m, s in zip(models, my_stages)]
+        schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
+        has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
+        optimizer = adamw([p for m in models for p in m.parameters()], args)
+        scheduler = lr_schedule(optimizer, args)
+
+        tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
+                              start=args.trace_start, steps=args.trace_steps)
+        fsdp_traced = all([trace_fsdp(tracer, m) for m in models])
+        metrics = Metrics(args, ctx, optimizer, parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp})
+        comm = StepComm()
+        for step in metrics.progress():
+            with tracer.record(step), comm.count(step):
+                x, y = next(batches)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                losses = []
+                schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            # The last stage's loss, shared along the pipeline, then averaged over the replicas.
+            loss = global_loss(pipeline_loss(losses, args.pp - 1, ctx.device, mesh["pp"].get_group()),
+                               mesh["dp"].get_group(), args.dp)
+            metrics.log(step, loss, traced=tracer.will_record(step))
+            scheduler.step()
+
+        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, args.pp - 1,
+                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)
+        memory = tracer.save(args.out, ctx, title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} "
+                             f"({args.schedule}): {args.model} model, batch {args.global_batch_size} x "
+                             f"{args.seq_len} tokens, {ctx.device.type}")
+        if args.save_weights:
+            save_full_weights(models, ctx, args.out / "weights.pt", merge_ranks=True)
+        metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
+                       stage_layers=stage_layers(args.model_config.n_layers, n_stages), comm=comm.summary(),
+                       fsdp_memory_traced=fsdp_traced)
+
+
+if __name__ == "__main__":
+    main()

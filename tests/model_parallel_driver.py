@@ -1,0 +1,102 @@
+"""Test-only driver: run many model-parallel trainings inside ONE torchrun job.
+
+    torchrun --standalone --nproc-per-node N tests/model_parallel_driver.py OUT_DIR CASES_JSON
+
+Starting four processes that import torch takes most of ten seconds on a 2-core machine,
+so instead of one launch per check, every rank runs the step scripts' ``main()`` one after
+another (common/multirun.py), with bad flags too. Rank 0
+also trains the single-process reference (the step 1 loop) for each configuration and
+writes OUT_DIR/results.json for tests/test_model_parallel.py to assert on.
+
+Each case in CASES_JSON: {"name", "script", "flags": [...], "expect_error": bool}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common import cli  # noqa: E402
+from common.data import Batches, load_corpus  # noqa: E402
+from common.model import build_model  # noqa: E402
+from common.multirun import run_script  # noqa: E402
+from common.training import adamw, lr_schedule  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+
+
+def reference(flags: list[str]) -> dict:
+    """The single-process fp32 run (step 1's loop) with the same shared flags."""
+    args = cli.parse(cli.parser(None), [f for f in flags if f != "--save-weights"] + ["--no-trace-memory"])
+    corpus = load_corpus(args.data, seed=args.seed)
+    batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+    model = build_model(args.model_config, "cpu", seed=args.seed)
+    optimizer = adamw(model.parameters(), args)
+    scheduler = lr_schedule(optimizer, args)
+    losses = []
+    for _ in range(args.steps):
+        x, y = next(batches)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+SHARED = {"--model", "--n-layers", "--steps", "--global-batch-size", "--seq-len", "--lr", "--warmup-steps",
+          "--seed", "--data"}
+
+
+def shared_flags(flags: list[str]) -> list[str]:
+    out = []
+    for a, b in zip(flags, flags[1:] + [""]):
+        if a in SHARED:
+            out += [a, b]
+    return out
+
+
+def main():
+    out_dir, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    results, refs = {}, {}
+    for case in cases:
+        case_out = out_dir / case["name"]
+        flags = case["flags"] + ["--out", str(case_out), "--device", "cpu"]
+        t0 = time.perf_counter()
+        code, err = run_script(case["script"], flags, capture_stderr=True)
+        res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0}
+        if RANK == 0 and code == 0 and not case.get("expect_error"):
+            key = json.dumps(shared_flags(case["flags"]))
+            if key not in refs:
+                refs[key] = reference(shared_flags(case["flags"]))
+            ref = refs[key]
+            rows = [json.loads(line) for line in (case_out / "metrics.jsonl").read_text().splitlines()]
+            res["losses"] = [r["loss"] for r in rows]
+            res["ref_losses"] = ref["losses"]
+            res["summary"] = json.loads((case_out / "summary.json").read_text())
+            weights = case_out / "weights.pt"
+            if weights.exists():
+                got = torch.load(weights)
+                res["weight_keys_match"] = sorted(got) == sorted(ref["state"])
+                diffs = [(got[k] - ref["state"][k]).abs() for k in ref["state"] if k in got]
+                res["weight_max_abs_diff"] = max(d.max().item() for d in diffs)
+                res["weight_n_over_1e-6"] = sum(int((d > 1e-6).sum()) for d in diffs)
+                res["weight_numel"] = sum(d.numel() for d in diffs)
+        results[case["name"]] = res
+        if RANK == 0:
+            print(f"[driver] {case['name']}: exit {code} in {res['wall_s']:.1f} s", file=sys.__stderr__, flush=True)
+    if RANK == 0:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
