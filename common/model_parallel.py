@@ -6,7 +6,7 @@ kind of parallelism from the outside, the way torchtitan's ``parallelize_llama``
 - ``apply_tp``: the tensor-parallel plan (Megatron-LM's split, with optional sequence
   parallelism for the norms and loss parallelism for the output), via
   ``parallelize_module``;
-- ``apply_fsdp``: ``fully_shard`` each block, then the root, over one mesh dimension;
+- FSDP over one mesh dimension is common/parallel.py's ``apply_fsdp`` (chapter 3a);
 - ``stage_layers`` / ``build_stage``: which layers a pipeline stage owns, and the stage
   module holding only those (plus the embedding on the first stage and the norm and
   output on the last);
@@ -133,42 +133,6 @@ def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_paral
 
 
 # ---- FSDP over one dimension of a mesh --------------------------------------------------------
-def apply_fsdp(model: Transformer, dp_mesh, **fsdp_kwargs):
-    """``fully_shard`` each block, then the root (embedding, final norm, output), over ``dp_mesh``.
-
-    Per-block units let FSDP gather one block's weights at a time; the root call picks up
-    the parameters outside the blocks. With an already tensor-parallel model the
-    parameters are DTensors on the TP mesh and FSDP shards them further (2-D): both
-    meshes must be slices of one parent mesh.
-    """
-    from torch.distributed.fsdp import fully_shard
-    if dp_mesh.size() == 1:
-        # Nothing to shard over one rank. (And on torch 2.13, initialising a 2-D DTensor
-        # whose FSDP dimension has one rank fails in gloo's scatter.)
-        return model
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
-    fully_shard(model, mesh=dp_mesh, **fsdp_kwargs)
-    return model
-
-
-def trace_fsdp(tracer, model) -> bool:
-    """Let the memory tracer follow FSDP's gathered parameters, where chapter 3a's helper exists.
-
-    FSDP2 frees and re-allocates the gathered (unsharded) parameters in place, with a
-    storage resize that no weak reference sees; common/parallel.py (the data-parallel
-    chapter) teaches the tracer to watch them. Without it they are invisible (an in-place
-    resize allocates no new tensor), so the trace understates the peak. Returns whether
-    the helper was there.
-    """
-    try:
-        from common.parallel import trace_fsdp_memory
-    except ImportError:
-        return False
-    trace_fsdp_memory(tracer, model)
-    return True
-
-
 # ---- pipeline parallelism -----------------------------------------------------------------
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     """The layer indices each stage owns: contiguous, sizes differing by at most one.
@@ -524,7 +488,7 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     head = ("| strategy | parameters / rank | gradients / rank | AdamW state / rank | activations / rank "
             "(peak) | peak / rank | sent per step / rank (logical) | on the wire / rank | step time |")
     lines = [head, "|" + "---|" * 9]
-    s, approximate = None, False
+    s = None
     paths = [(name, Path(runs_dir) / name / "summary.json") for name in names]
     if single is not None:
         paths.insert(0, ("single", Path(single) / "summary.json"))
@@ -541,8 +505,6 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
         if "microbatches" in s:
             label += f", m={s['microbatches']}"
         star = ""
-        if s.get("fsdp_memory_traced") is False:  # see trace_fsdp: the gathered weights are not seen
-            star, approximate = " *", True
         lines.append(f"| {label} | {span(cat('parameters'))} | {span(cat('gradients'))} | "
                      f"{span(cat('optimizer state'))} | {span(cat('activations'))}{star} | "
                      f"{span([m['peak_bytes'] for m in mem])}{star} | {span([a for a, _ in sent])} | "
@@ -564,8 +526,4 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
               f"(a range where the ranks differ). Bytes: per optimizer step, as common/comm.py counts them; "
               f"'on the wire' is what a ring algorithm makes each rank send. Step time: rank 0's mean "
               f"over the untraced steps after the first."]
-    if approximate:
-        lines += ["", "\\* A lower bound: this tracer does not see the weights FSDP gathers (one or two blocks at a "
-                  "time, stored by resizing a storage in place) and counts the full-size gradients it reduce-scatters as "
-                  "'other'; chapter 3a's common/parallel.py teaches it both (train_2d.py uses it where present)."]
     return "\n".join(lines)

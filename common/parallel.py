@@ -98,7 +98,14 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
       the shards, and so the optimizer, stay fp32. reduce_dtype: gradients are
       reduce-scattered in fp32 so that summing many ranks' bf16 gradients loses nothing.
     - cpu_offload: keep shards, gradients and the optimizer step on the host.
+    - an already tensor-parallel model (parameters are DTensors on a TP mesh) is sharded
+      further (2-D): both meshes must be slices of one parent mesh.
     """
+    if mesh.ndim == 1 and mesh.size() == 1:
+        # Nothing to shard over one rank (2-D/3-D runs with a data-parallel degree of 1).
+        # On torch 2.13 initialising a 2-D DTensor whose FSDP dimension has one rank also
+        # fails in gloo's scatter.
+        return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     layers = model.layers.values() if getattr(model, "layers", None) is not None else []

@@ -26,8 +26,8 @@ from common.errors import UserError, main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
 from common.model import Transformer
-from common.model_parallel import (StepComm, apply_fsdp, apply_tp, check_tp, global_loss, save_full_weights,
-                                   trace_fsdp)
+from common.parallel import apply_fsdp, trace_fsdp_memory
+from common.model_parallel import StepComm, apply_tp, check_tp, global_loss, save_full_weights
 from common.training import adamw, evaluate, lr_schedule
 
 
@@ -64,7 +64,7 @@ def main():
 
         tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
-        fsdp_traced = trace_fsdp(tracer, model)  # FSDP's gathered weights count as parameters
+        trace_fsdp_memory(tracer, model)  # FSDP's gathered weights count as parameters
         metrics = Metrics(args, ctx, optimizer, parallel={"dp": dp, "tp": args.tp})
         comm = StepComm()
         for step in metrics.progress():
@@ -88,7 +88,7 @@ def main():
         if args.save_weights:
             save_full_weights([model], ctx, args.out / "weights.pt")
         metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
-                       comm=comm.summary(), fsdp_memory_traced=fsdp_traced)
+                       comm=comm.summary())
 
 
 if __name__ == "__main__":

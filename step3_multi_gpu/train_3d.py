@@ -24,9 +24,10 @@ from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
-from common.model_parallel import (SCHEDULES, StepComm, apply_fsdp, apply_tp, build_stage, check_pp, check_tp,
+from common.parallel import apply_fsdp, trace_fsdp_memory
+from common.model_parallel import (SCHEDULES, StepComm, apply_tp, build_stage, check_pp, check_tp,
                                    global_loss, make_schedule, pipeline_evaluate, pipeline_loss, save_full_weights,
-                                   stage_indices, stage_layers, trace_fsdp)
+                                   stage_indices, stage_layers)
 from common.training import adamw, lr_schedule
 
 
@@ -77,7 +78,8 @@ def main():
 
         tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
-        fsdp_traced = all([trace_fsdp(tracer, m) for m in models])
+        for m in models:
+            trace_fsdp_memory(tracer, m)  # FSDP's gathered weights count as parameters
         metrics = Metrics(args, ctx, optimizer, parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp})
         comm = StepComm()
         for step in metrics.progress():
@@ -102,8 +104,7 @@ def main():
         if args.save_weights:
             save_full_weights(models, ctx, args.out / "weights.pt", merge_ranks=True)
         metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
-                       stage_layers=stage_layers(args.model_config.n_layers, n_stages), comm=comm.summary(),
-                       fsdp_memory_traced=fsdp_traced)
+                       stage_layers=stage_layers(args.model_config.n_layers, n_stages), comm=comm.summary())
 
 
 if __name__ == "__main__":
