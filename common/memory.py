@@ -73,7 +73,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracer._on_op(out)
+        self.tracer._on_op(out, (args, kwargs))
         return out
 
 
@@ -233,7 +233,7 @@ class MemoryTracer:
             self.phases.pop()  # the previous phase saw no allocation: drop the empty span
         self.phases.append((self._t, phase))  # None: between steps
 
-    def _on_op(self, out):
+    def _on_op(self, out, inputs=()):
         tensors = list(_plain_tensors(out))
         if not tensors:  # profiler markers and the like: no memory, no phase change
             return
@@ -245,7 +245,27 @@ class MemoryTracer:
             phase = "forward"
         self._set_phase(phase)
         for t in tensors:
+            if self._aliases_untracked(t, inputs):
+                # A view of (or in-place op on) memory that was there before recording
+                # began and is not the model's or the optimizer's, e.g. the DataLoader
+                # slicing the whole training corpus: not allocated by this step.
+                continue
             self._track(t)
+
+    def _aliases_untracked(self, t, inputs) -> bool:
+        try:
+            key = self._key(t)
+        except (RuntimeError, NotImplementedError):
+            return False
+        if key in self._live:
+            return False
+        for i in _plain_tensors(inputs):
+            try:
+                if self._key(i) == key:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                pass
+        return False
 
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
