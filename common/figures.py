@@ -34,7 +34,21 @@ CHAPTER1 = [
 ]
 
 # ---- chapter 2: memory savers on one device -------------------------------------------
-CHAPTER2: list[Run] = []
+# The baseline's model, batch and sequence length, so that every row of the table differs
+# from it by the saving alone. Runs with no figures of their own: the post step below
+# draws each trace beside the baseline's, on its scale.
+_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "20"]
+CHAPTER2 = [
+    Run("02_baseline", "step1_single_gpu/train.py", _CH2),
+    Run("02_amp", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"]),
+    Run("02_amp_sac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "selective"]),
+    Run("02_amp_ac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "full"]),
+    Run("02_accum_fp32", "step2_memory/train_accum.py", _CH2 + ["--amp", "off", "--ac", "none", "--grad-accum", "4"]),
+    Run("02_amp_ac_accum", "step2_memory/train_accum.py", _CH2 + ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
+]
+_CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
+               "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
+               "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
 CHAPTER3A: list[Run] = []
@@ -43,7 +57,49 @@ CHAPTER3A: list[Run] = []
 CHAPTER3B: list[Run] = []
 
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B
-POST_STEPS = []  # callables(device_suffix) that draw figures from several runs' outputs
+
+
+def chapter2(suffix: str, only: str):
+    """Each saving's trace beside the baseline's, the peaks by category, and the table."""
+    if only and not ("02".startswith(only) or only.startswith("02")):
+        return
+    import os
+    import platform
+
+    import torch
+
+    from common.comparison import RunResult, markdown_table, render_beside, render_peak_bars
+
+    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix)) for r in CHAPTER2}
+    s = runs["02_baseline"].summary
+    what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
+    figs = ROOT / "figs"
+    figs.mkdir(exist_ok=True)
+    for name, fig, title in [
+        ("02_amp", "02_memory_trace_amp", "AMP (bf16 autocast) beside the fp32 baseline"),
+        ("02_amp_ac", "02_memory_trace_amp_ac", "AMP + full activation checkpointing beside the fp32 baseline"),
+    ]:
+        render_beside([runs["02_baseline"], runs[name]], figs / f"{fig}{suffix}.png", f"{title}: {what}")
+    render_beside([runs["02_baseline"], runs["02_accum_fp32"], runs["02_amp_ac_accum"]],
+                  figs / f"02_memory_trace_accum{suffix}.png",
+                  f"Gradient accumulation (4 micro-batches of 2) beside the fp32 baseline: {what}")
+    render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
+                     f"What is alive at the memory peak, by category: {what}")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    device = s["device_name"] if s["device"].startswith("cuda") else f"CPU ({cpu}, {os.cpu_count()} cores)"
+    commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2]
+    text = (f"Device: {device}; torch {torch.__version__}; {what}; {s['steps']} steps each. "
+            f"Memory: live tensor bytes at each run's peak (the tracer, step 1). Step time: median of the "
+            f"untraced steps after the first. Load average when the table was written: "
+            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.\n\n" + markdown_table(list(runs.values()), commands))
+    (figs / f"02_table{suffix}.md").write_text(text)
+    for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
+        print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
+
+
+POST_STEPS = [chapter2]  # callables(device_suffix, only) that draw figures from several runs' outputs
 
 
 def launch(run: Run, out: Path, device: str):
@@ -62,7 +118,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     suffix = "" if args.device == "cpu" else "_cuda"
-    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)]
+    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures)
+            or (not r.figures and r.name.startswith(args.only))]  # runs that only feed a post step
     for run in todo:
         out = ROOT / "runs" / "figs" / (run.name + suffix)
         launch(run, out, args.device)
