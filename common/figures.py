@@ -37,7 +37,7 @@ CHAPTER1 = [
 # The baseline's model, batch and sequence length, so that every row of the table differs
 # from it by the saving alone. Runs with no figures of their own: the post step below
 # draws each trace beside the baseline's, on its scale.
-_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "20"]
+_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "8"]
 CHAPTER2 = [
     Run("02_baseline", "step1_single_gpu/train.py", _CH2),
     Run("02_amp", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"]),
@@ -49,6 +49,12 @@ CHAPTER2 = [
 _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
                "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
                "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
+# The same set-ups again for the step times, timed in turns in one process (common/bench.py):
+# runs made one after another on a shared machine see different loads.
+_CH2_BENCH = {"02_baseline": {}, "02_amp": {"amp": "bf16"}, "02_amp_sac": {"amp": "bf16", "ac": "selective"},
+              "02_amp_ac": {"amp": "bf16", "ac": "full"}, "02_accum_fp32": {"grad_accum": 4},
+              "02_amp_ac_accum": {"amp": "bf16", "ac": "full", "grad_accum": 4}}
+_CH2_BENCH_ROUNDS = 10
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
 CHAPTER3A: list[Run] = []
@@ -63,11 +69,13 @@ def chapter2(suffix: str, only: str):
     """Each saving's trace beside the baseline's, the peaks by category, and the table."""
     if only and not ("02".startswith(only) or only.startswith("02")):
         return
+    import json
     import os
     import platform
 
     import torch
 
+    from common.bench import interleaved, memory_saver_step
     from common.comparison import RunResult, markdown_table, render_beside, render_peak_bars
 
     runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix)) for r in CHAPTER2}
@@ -90,10 +98,28 @@ def chapter2(suffix: str, only: str):
         else platform.processor()
     device = s["device_name"] if s["device"].startswith("cuda") else f"CPU ({cpu}, {os.cpu_count()} cores)"
     commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2]
-    text = (f"Device: {device}; torch {torch.__version__}; {what}; {s['steps']} steps each. "
-            f"Memory: live tensor bytes at each run's peak (the tracer, step 1). Step time: median of the "
-            f"untraced steps after the first. Load average when the table was written: "
-            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.\n\n" + markdown_table(list(runs.values()), commands))
+    print(f"timing the {len(_CH2_BENCH)} set-ups in turns, {_CH2_BENCH_ROUNDS} steps each", flush=True)
+    load_before = os.getloadavg()[0]
+    # One thread: when other jobs hold the cores, a second OpenMP thread that is not
+    # scheduled stalls every op at its barrier (steps took 60x longer here with two
+    # threads, 5x with one), and it does so unevenly across set-ups.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench = interleaved({runs[name].label: memory_saver_step(s["model"], s["global_batch_size"], s["seq_len"],
+                                                                 s["device"], **kw) for name, kw in _CH2_BENCH.items()},
+                            rounds=_CH2_BENCH_ROUNDS)
+    finally:
+        torch.set_num_threads(threads)
+    times = {label: b["median_s"] for label, b in bench.items()}
+    text = (f"Device: {device}, no GPU; torch {torch.__version__}; {what}.\n\n"
+            f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command "
+            f"makes. Step time: median of {_CH2_BENCH_ROUNDS} steps per set-up on one CPU thread, the set-ups taking "
+            f"turns step by step in one process (`common/bench.py`), because this machine was shared with other jobs (load "
+            f"average {load_before:.1f} before timing, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
+            f"cores): runs made one after the other saw different loads.\n\n"
+            + markdown_table(list(runs.values()), commands, step_times=times))
+    (ROOT / "runs" / "figs" / f"02_bench{suffix}.json").write_text(json.dumps(bench, indent=1))
     (figs / f"02_table{suffix}.md").write_text(text)
     for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
         print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
