@@ -101,8 +101,9 @@ def chapter2(suffix: str, only: str):
     print(f"timing the {len(_CH2_BENCH)} set-ups in turns, {_CH2_BENCH_ROUNDS} steps each", flush=True)
     load_before = os.getloadavg()[0]
     # One thread: when other jobs hold the cores, a second OpenMP thread that is not
-    # scheduled stalls every op at its barrier (steps took 60x longer here with two
-    # threads, 5x with one), and it does so unevenly across set-ups.
+    # scheduled stalls every op at its barrier, unevenly across set-ups (measured here: a
+    # baseline step that takes 0.45 s on an idle machine took 2 to 26 s with two threads
+    # at a load average of 12, and 2.2 to 2.5 s with one).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -121,8 +122,22 @@ def chapter2(suffix: str, only: str):
             + markdown_table(list(runs.values()), commands, step_times=times))
     (ROOT / "runs" / "figs" / f"02_bench{suffix}.json").write_text(json.dumps(bench, indent=1))
     (figs / f"02_table{suffix}.md").write_text(text)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "chapter2.md"):
+        _splice(doc, f"figs/02_table{suffix}.md", text)
     for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
         print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
+
+
+def _splice(doc: Path, name: str, text: str):
+    """Replace what stands between <!-- begin NAME --> and <!-- end NAME --> in doc, if both are there."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    if not doc.exists():
+        return
+    content = doc.read_text()
+    if begin in content and end in content:
+        head, rest = content.split(begin, 1)
+        doc.write_text(f"{head}{begin}\n{text.rstrip()}\n{end}{rest.split(end, 1)[1]}")
+        print(f"updated the table in {doc.relative_to(ROOT)}", flush=True)
 
 
 POST_STEPS = [chapter2]  # callables(device_suffix, only) that draw figures from several runs' outputs

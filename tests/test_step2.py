@@ -280,6 +280,35 @@ def test_each_saving_lowers_the_activations_further(traced):
     assert all(r["loss"] == r["loss"] for rows, _, _ in traced.values() for r in rows)
 
 
+def test_fused_adamw_keeps_the_same_state_and_drops_foreachs_temporary():
+    """The chapter's claim about --fused-adamw: same 8 bytes per parameter of state, and
+    no temporary the size of the parameters during the step (foreach, CUDA's default, makes one)."""
+    from types import SimpleNamespace
+
+    from common.training import adamw
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for name, kwargs in {"foreach": {"foreach": True}, "fused": {"fused": True}}.items():
+        model = build_model(get_config("debug"), "cpu")
+        opt = adamw(model.parameters(), SimpleNamespace(lr=1e-3), **kwargs)
+        tracer = MemoryTracer(model, opt, "cpu", start=1, steps=1)
+        for step in range(2):
+            with tracer.record(step):
+                F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+        r = tracer.result
+        start = next(t for t, phase in r["phases"] if phase == "optimizer")
+        end = next((t for t, _ in r["phases"] if t > start), r["events"])
+        other = [o for e, o in zip(r["series"]["event"], r["series"]["other"]) if start <= e < end]
+        seen[name] = r["peak_by_category"], max(other)
+    n_bytes, n_tensors = seen["fused"][0]["parameters"], len(list(model.parameters()))
+    # exp_avg and exp_avg_sq (8 bytes per parameter), plus a 4-byte step count per tensor
+    assert seen["fused"][0]["optimizer state"] == seen["foreach"][0]["optimizer state"] == 2 * n_bytes + 4 * n_tensors
+    assert seen["foreach"][1] >= n_bytes > 20 * seen["fused"][1], seen
+
+
 # ---- the tracer does not count the training data --------------------------------------------
 def test_tracer_ignores_views_of_memory_from_before_recording():
     model = torch.nn.Linear(8, 8)
