@@ -112,11 +112,11 @@ def chapter2(suffix: str, only: str):
                             rounds=_CH2_BENCH_ROUNDS)
     finally:
         torch.set_num_threads(threads)
-    times = {label: b["median_s"] for label, b in bench.items()}
+    times = {label: b["min_s"] for label, b in bench.items()}
     text = (f"Device: {device}, no GPU; torch {torch.__version__}; {what}.\n\n"
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command "
-            f"makes. Step time: median of {_CH2_BENCH_ROUNDS} steps per set-up on one CPU thread, the set-ups taking "
-            f"turns step by step in one process (`common/bench.py`), because this machine was shared with other jobs (load "
+            f"makes. Step time: the fastest of {_CH2_BENCH_ROUNDS} steps per set-up on one CPU thread, the set-ups "
+            f"taking turns step by step in one process (`common/bench.py`; medians in runs/figs/02_bench.json), because this machine was shared with other jobs (load "
             f"average {load_before:.1f} before timing, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
             f"cores): runs made one after the other saw different loads.\n\n"
             + markdown_table(list(runs.values()), commands, step_times=times))
