@@ -52,8 +52,10 @@ def render_beside(runs: list[RunResult], path, title: str):
     render([dict(r.trace, label=r.label) for r in runs], path, title=title)
 
 
-def render_peak_bars(runs: list[RunResult], path, title: str):
-    """One stacked bar per run: what was alive at its memory peak, by category."""
+def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int, str] | None = None):
+    """One stacked bar per run: what was alive at its memory peak, by category.
+
+    ``budget``: (bytes, label) of a memory limit to draw across the bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -74,8 +76,12 @@ def render_peak_bars(runs: list[RunResult], path, title: str):
     base = runs[0].trace["peak_bytes"]
     for i, r in enumerate(runs):
         pk = r.trace["peak_bytes"]
-        ax.text(x[i], pk / scale, f"{fmt_bytes(pk)}\n{pk / base:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.text(x[i], pk / scale, f"{fmt_bytes(pk)}\n{pk / base:.2f}x", ha="center", va="bottom", fontsize=8,
+                bbox=dict(fc="white", ec="none", pad=0.3), zorder=3)
     ax.axhline(base / scale, color="k", linestyle=":", linewidth=0.8)
+    if budget:
+        ax.axhline(budget[0] / scale, color="#C44E52", linestyle="--", linewidth=1)
+        ax.text(x[-1] + 0.45, budget[0] / scale, budget[1], ha="right", va="bottom", fontsize=8, color="#C44E52")
     ax.set_xticks(x, [textwrap.fill(r.label, 18, break_on_hyphens=False) for r in runs], fontsize=8)
     ax.set_ylabel(f"live memory at the peak ({unit})")
     ax.set_ylim(0, top / scale * 1.18)
