@@ -45,16 +45,13 @@ CHAPTER2 = [
     Run("02_amp_ac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "full"]),
     Run("02_accum_fp32", "step2_memory/train_accum.py", _CH2 + ["--amp", "off", "--ac", "none", "--grad-accum", "4"]),
     Run("02_amp_ac_accum", "step2_memory/train_accum.py", _CH2 + ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
+    # The step times of the same set-ups, taken in turns in one process: runs made one
+    # after another on a shared machine see different loads.
+    Run("02_bench", "step2_memory/bench_memory_savers.py", _CH2[:6] + ["--steps", "10"]),
 ]
 _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
                "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
                "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
-# The same set-ups again for the step times, timed in turns in one process (common/bench.py):
-# runs made one after another on a shared machine see different loads.
-_CH2_BENCH = {"02_baseline": {}, "02_amp": {"amp": "bf16"}, "02_amp_sac": {"amp": "bf16", "ac": "selective"},
-              "02_amp_ac": {"amp": "bf16", "ac": "full"}, "02_accum_fp32": {"grad_accum": 4},
-              "02_amp_ac_accum": {"amp": "bf16", "ac": "full", "grad_accum": 4}}
-_CH2_BENCH_ROUNDS = 10
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
 CHAPTER3A: list[Run] = []
@@ -65,20 +62,20 @@ CHAPTER3B: list[Run] = []
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B
 
 
-def chapter2(suffix: str, only: str):
-    """Each saving's trace beside the baseline's, the peaks by category, and the table."""
+def chapter2(suffix: str, only: str = "") -> dict[str, str]:
+    """Each saving's trace beside the baseline's, the peaks by category, and the table.
+
+    Returns {README marker: table}, and writes the table into docs/chapter2.md too."""
     if only and not ("02".startswith(only) or only.startswith("02")):
-        return
+        return {}
     import json
-    import os
     import platform
 
-    import torch
-
-    from common.bench import interleaved, memory_saver_step
     from common.comparison import RunResult, markdown_table, render_beside, render_peak_bars
 
-    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix)) for r in CHAPTER2}
+    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix))
+            for r in CHAPTER2 if r.name in _CH2_LABELS}
+    bench = json.loads((ROOT / "runs" / "figs" / f"02_bench{suffix}" / "bench.json").read_text())
     s = runs["02_baseline"].summary
     what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
     figs = ROOT / "figs"
@@ -94,44 +91,34 @@ def chapter2(suffix: str, only: str):
     render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
                      f"What is alive at the memory peak, by category: {what}",
                      budget=None if suffix else (128 * 2**20, "a pretend 128 MiB device"))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-        else platform.processor()
-    device = s["device_name"] if s["device"].startswith("cuda") else f"CPU ({cpu}, {os.cpu_count()} cores)"
-    commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2]
-    print(f"timing the {len(_CH2_BENCH)} set-ups in turns, {_CH2_BENCH_ROUNDS} steps each", flush=True)
-    load_before = os.getloadavg()[0]
-    # One thread: when other jobs hold the cores, a second OpenMP thread that is not
-    # scheduled stalls every op at its barrier, unevenly across set-ups (measured here: a
-    # baseline step that takes 0.45 s on an idle machine took 2 to 26 s with two threads
-    # at a load average of 12, and 2.2 to 2.5 s with one).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        bench = interleaved({runs[name].label: memory_saver_step(s["model"], s["global_batch_size"], s["seq_len"],
-                                                                 s["device"], **kw) for name, kw in _CH2_BENCH.items()},
-                            rounds=_CH2_BENCH_ROUNDS)
-    finally:
-        torch.set_num_threads(threads)
-    times = {label: b["min_s"] for label, b in bench.items()}
-    text = (f"Device: {device}, no GPU; torch {torch.__version__}; {what}.\n\n"
-            f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command "
-            f"makes. Step time: the fastest of {_CH2_BENCH_ROUNDS} steps per set-up on one CPU thread, the set-ups "
-            f"taking turns step by step in one process (`common/bench.py`; medians in runs/figs/02_bench.json), because this machine was shared with other jobs (load "
-            f"average {load_before:.1f} before timing, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
-            f"cores): runs made one after the other saw different loads.\n\n"
+    if s["device"].startswith("cuda"):
+        device = s["device_name"]
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists()
+                                                             else []) if line.startswith("model name")]
+        device = f"CPU ({names[0] if names else platform.processor()}, {len(names) or '?'} cores), no GPU"
+    info, times = bench["info"], {_CH2_LABELS["02_" + k]: v["min_s"] for k, v in bench["result"].items()}
+    threads = f" on {info['threads']} CPU thread{'s' if info['threads'] != 1 else ''}" if info["threads"] else ""
+    load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
+            if info["load_before"] is not None else "")
+    commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2 if r.name in _CH2_LABELS]
+    text = (f"Device: {device}; {what}.\n\n"
+            f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
+            f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
+            f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
+            f"runs/figs/02_bench{suffix}/bench.md){load}.\n\n"
             + markdown_table(list(runs.values()), commands, step_times=times))
-    (ROOT / "runs" / "figs" / f"02_bench{suffix}.json").write_text(json.dumps(bench, indent=1))
     (figs / f"02_table{suffix}.md").write_text(text)
-    for doc in (ROOT / "README.md", ROOT / "docs" / "chapter2.md"):
-        _splice(doc, f"figs/02_table{suffix}.md", text)
+    _splice(ROOT / "docs" / "chapter2.md", f"table-02{suffix}", text)
     for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
         print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
+    return {f"table-02{suffix}": text}
 
 
 def _splice(doc: Path, name: str, text: str):
-    """Replace what stands between <!-- begin NAME --> and <!-- end NAME --> in doc, if both are there."""
-    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    """Replace what stands between <!-- BEGIN name --> and <!-- END name --> in doc, if both are there."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     if not doc.exists():
         return
     content = doc.read_text()
@@ -141,7 +128,9 @@ def _splice(doc: Path, name: str, text: str):
         print(f"updated the table in {doc.relative_to(ROOT)}", flush=True)
 
 
-POST_STEPS = [chapter2]  # callables(device_suffix, only) that draw figures from several runs' outputs
+# callables(device_suffix, only) that draw figures from several runs' outputs; they return
+# {README marker: markdown} for the tables to write between <!-- BEGIN marker --> and <!-- END marker -->
+POST_STEPS = [chapter2]
 
 
 def launch(run: Run, out: Path, device: str):
@@ -170,7 +159,8 @@ def main(argv=None):
             shutil.copyfile(out / src, dest)
             print(f"wrote {dest.relative_to(ROOT)}", flush=True)
     for post in POST_STEPS:
-        post(suffix, args.only)
+        for name, text in (post(suffix, args.only) or {}).items():
+            _splice(ROOT / "README.md", name, text)
 
 
 if __name__ == "__main__":

@@ -309,6 +309,17 @@ def test_fused_adamw_keeps_the_same_state_and_drops_foreachs_temporary():
     assert seen["foreach"][1] >= n_bytes > 20 * seen["fused"][1], seen
 
 
+def test_bench_times_every_setup_of_the_table(monkeypatch, tmp_path):
+    argv = ["bench_memory_savers.py", "--model", "debug", "--seq-len", "32", "--global-batch-size", "4",
+            "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench = _script("bench_memory_savers")
+    bench.main()
+    result = json.loads((tmp_path / "bench.json").read_text())["result"]
+    assert list(result) == list(bench.SAVERS)
+    assert all(len(r["times_s"]) == 2 and 0 < r["min_s"] <= r["median_s"] for r in result.values())
+
+
 # ---- the tracer does not count the training data --------------------------------------------
 def test_tracer_ignores_views_of_memory_from_before_recording():
     model = torch.nn.Linear(8, 8)

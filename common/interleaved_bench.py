@@ -77,34 +77,3 @@ def interleaved(steps: dict[str, Callable[[], None]], rounds: int, warmup: int =
             times[name].append(time.perf_counter() - t)
     return {name: {"min_s": min(ts), "median_s": statistics.median(ts), "times_s": ts} for name, ts in times.items()}
 
-
-def main(argv=None):
-    """``python -m common.bench``: eager, --fused-adamw and --compile side by side (bf16)."""
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--model", default="small")
-    p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: see common/figures.py)")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    shape = (a.model, a.global_batch_size, a.seq_len, a.device)
-    steps = {"eager": memory_saver_step(*shape, amp="bf16"),
-             "fused AdamW": memory_saver_step(*shape, amp="bf16", fused_adamw=True),
-             "compiled": memory_saver_step(*shape, amp="bf16", compile=True)}
-    t = time.perf_counter()
-    steps["compiled"]()  # compiles (minutes on a small CPU the first time; cached afterwards)
-    print(f"first compiled step: {time.perf_counter() - t:.1f} s", flush=True)
-    result = interleaved(steps, rounds=a.rounds)
-    for name, r in result.items():
-        print(f"{name:12s} fastest {r['min_s'] * 1e3:7.1f} ms  median {r['median_s'] * 1e3:7.1f} ms "
-              f"({r['min_s'] / result['eager']['min_s']:.2f}x eager's fastest)")
-    print(json.dumps({k: v["times_s"] for k, v in result.items()}))
-
-
-if __name__ == "__main__":
-    main()
