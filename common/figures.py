@@ -37,7 +37,7 @@ CHAPTER1 = [
 # The baseline's model, batch and sequence length, so that every row of the table differs
 # from it by the saving alone. Runs with no figures of their own: the post step below
 # draws each trace beside the baseline's, on its scale.
-_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "8"]
+_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "8", "--eval-batches", "0"]
 CHAPTER2 = [
     Run("02_baseline", "step1_single_gpu/train.py", _CH2),
     Run("02_amp", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"]),
