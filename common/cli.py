@@ -67,3 +67,65 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     checkpoint.check_flags(args)
     args.out = Path(args.out or Path("runs") / args.script)
     return args
+
+
+# ---- chapter 2: memory savers on one device ------------------------------------------------
+# Each lesson adds its own flags, so a script never accepts a flag that it would ignore.
+def add_amp_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision, and two speed-ups that save no memory")
+    g.add_argument("--amp", default="bf16", help="autocast dtype: bf16 (default), fp16 (CUDA, with a GradScaler) or off")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (the traced steps run eagerly)")
+    g.add_argument("--fused-adamw", action="store_true", help="AdamW's fused kernel: one kernel for all parameters")
+
+
+def add_ac_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation checkpointing")
+    g.add_argument("--ac", default="full",
+                   help="none; full: recompute each block in backward (default); selective: keep matmul and "
+                        "attention outputs, recompute the rest")
+    g.add_argument("--ac-every", type=int, default=1,
+                   help="checkpoint only every k-th transformer block (default: 1, all of them)")
+
+
+def add_accum_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gradient accumulation")
+    g.add_argument("--grad-accum", type=int, default=4,
+                   help="split each global batch into this many micro-batches, one forward and backward "
+                        "each, and step once (default: 4)")
+
+
+def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> argparse.Namespace:
+    """Check the chapter-2 flags a script declared against each other and the device.
+
+    Adds ``args.amp_dtype`` (None when off) and ``args.compute_dtype`` (for MFU).
+    """
+    from common.memory_savers import (AC_MODES, AMP_DTYPES, amp_unsupported, compile_unsupported,
+                                      fused_adamw_unsupported)
+
+    if hasattr(args, "amp"):
+        if args.amp not in AMP_DTYPES:
+            raise UserError(f"unknown --amp {args.amp!r}; choose one of {', '.join(AMP_DTYPES)}.")
+        for why in (amp_unsupported(device, args.amp),
+                    args.fused_adamw and fused_adamw_unsupported(device),
+                    args.compile and compile_unsupported(device)):
+            if why:
+                raise UserError(why)
+        args.amp_dtype = AMP_DTYPES[args.amp]
+        args.compute_dtype = "fp32" if args.amp == "off" else args.amp
+    if hasattr(args, "ac"):
+        if args.ac not in AC_MODES:
+            raise UserError(f"unknown --ac mode {args.ac!r}; choose one of {', '.join(AC_MODES)}.")
+        if args.ac_every <= 0:
+            raise UserError(f"--ac-every must be positive (got {args.ac_every}).")
+    if hasattr(args, "grad_accum"):
+        if args.grad_accum <= 0:
+            raise UserError(f"--grad-accum must be positive (got {args.grad_accum}).")
+        # Equal micro-batches: only then is the mean of their mean losses the batch's mean loss.
+        k, local = args.grad_accum, args.global_batch_size // dp_size
+        if local % k and dp_size == 1:
+            raise UserError(f"--grad-accum {k} does not split --global-batch-size {local} into equal "
+                            f"micro-batches; use a divisor of {local}.")
+        if local % k:
+            raise UserError(f"--grad-accum {k} does not split the {local} sequences each of the {dp_size} "
+                            f"data-parallel ranks gets into equal micro-batches; use a divisor of {local}.")
+    return args

@@ -37,7 +37,24 @@ CHAPTER1 = [
 ]
 
 # ---- chapter 2: memory savers on one device -------------------------------------------
-CHAPTER2: list[Run] = []
+# The baseline's model, batch and sequence length, so that every row of the table differs
+# from it by the saving alone. Runs with no figures of their own: the post step below
+# draws each trace beside the baseline's, on its scale.
+_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "8", "--eval-batches", "0"]
+CHAPTER2 = [
+    Run("02_baseline", "step1_single_gpu/train.py", _CH2),
+    Run("02_amp", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"]),
+    Run("02_amp_sac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "selective"]),
+    Run("02_amp_ac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "full"]),
+    Run("02_accum_fp32", "step2_memory/train_accum.py", _CH2 + ["--amp", "off", "--ac", "none", "--grad-accum", "4"]),
+    Run("02_amp_ac_accum", "step2_memory/train_accum.py", _CH2 + ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
+    # The step times of the same set-ups, taken in turns in one process: runs made one
+    # after another on a shared machine see different loads.
+    Run("02_bench", "step2_memory/bench_memory_savers.py", _CH2[:6] + ["--steps", "10"]),
+]
+_CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
+               "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
+               "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
 _3A = ["--model", "small", "--steps", "6", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "2"]
@@ -118,8 +135,10 @@ def n_param_tensors(s: dict) -> int:
     return 9 * s["model_config"]["n_layers"] + 3
 
 
-def chapter1_table(suffix: str) -> dict[str, str]:
+def chapter1_table(suffix: str, only: str = "") -> dict[str, str]:
     """The memory anatomy of the baseline: measured bytes beside 4N / 4N / 8N."""
+    if only and not ("01".startswith(only) or only.startswith("01")):
+        return {}
     s = summary("baseline", suffix)
     n, mem = s["n_params"], s["memory"][0]
     peak, at = mem["peak_by_category"], mem["at_peak"]
@@ -166,10 +185,63 @@ def chapter3b_table(suffix: str = "", only: str = "") -> dict[str, str]:
 
 
 
+def chapter2(suffix: str, only: str = "") -> dict[str, str]:
+    """Each saving's trace beside the baseline's, the peaks by category, and the table.
+
+    Returns {README marker: table}."""
+    if only and not ("02".startswith(only) or only.startswith("02")):
+        return {}
+    import json
+    import platform
+
+    from common.comparison import RunResult, markdown_table, render_beside, render_peak_bars
+
+    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix))
+            for r in CHAPTER2 if r.name in _CH2_LABELS}
+    bench = json.loads((ROOT / "runs" / "figs" / f"02_bench{suffix}" / "bench.json").read_text())
+    s = runs["02_baseline"].summary
+    what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
+    figs = ROOT / "figs"
+    figs.mkdir(exist_ok=True)
+    for name, fig, title in [
+        ("02_amp", "02_memory_trace_amp", "AMP (bf16 autocast) beside the fp32 baseline"),
+        ("02_amp_ac", "02_memory_trace_amp_ac", "AMP + full activation checkpointing beside the fp32 baseline"),
+    ]:
+        render_beside([runs["02_baseline"], runs[name]], figs / f"{fig}{suffix}.png", f"{title}: {what}")
+    render_beside([runs["02_baseline"], runs["02_accum_fp32"], runs["02_amp_ac_accum"]],
+                  figs / f"02_memory_trace_accum{suffix}.png",
+                  f"Gradient accumulation (4 micro-batches of 2) beside the fp32 baseline: {what}")
+    render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
+                     f"What is alive at the memory peak, by category: {what}",
+                     budget=None if suffix else (128 * 2**20, "a pretend 128 MiB device"))
+    if s["device"].startswith("cuda"):
+        device = s["device_name"]
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists()
+                                                             else []) if line.startswith("model name")]
+        device = f"CPU ({names[0] if names else platform.processor()}, {len(names) or '?'} cores), no GPU"
+    info, times = bench["info"], {_CH2_LABELS["02_" + k]: v["min_s"] for k, v in bench["result"].items()}
+    threads = f" on {info['threads']} CPU thread{'s' if info['threads'] != 1 else ''}" if info["threads"] else ""
+    load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
+            if info["load_before"] is not None else "")
+    commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2 if r.name in _CH2_LABELS]
+    text = (f"Device: {device}; {what}.\n\n"
+            f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
+            f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
+            f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
+            f"runs/figs/02_bench{suffix}/bench.md){load}.\n\n"
+            + markdown_table(list(runs.values()), commands, step_times=times))
+    (figs / f"02_table{suffix}.md").write_text(text)
+    for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
+        print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
+    return {f"table-02{suffix}": text}
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
-# callables(suffix) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table, write_chapter3a_table, chapter3b_table]
+# callables(suffix, only) -> {README marker: markdown}; each draws on the runs above
+POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
@@ -202,7 +274,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     suffix = "" if args.device == "cpu" else "_cuda"
-    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)]
+    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures)
+            or (not r.figures and r.name.startswith(args.only))]  # runs that only feed a post step
     for run in todo:
         out = run_dir(run.name, suffix)
         launch(run, out, args.device)
@@ -213,7 +286,7 @@ def main(argv=None):
     tables = {}
     for post in POST_STEPS:
         try:
-            tables.update(post(suffix))
+            tables.update(post(suffix, args.only) or {})
         except FileNotFoundError as e:  # --only skipped the runs this table needs
             print(f"skipped {post.__name__}: {e.filename} is missing", flush=True)
     update_readme(tables)

@@ -394,7 +394,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def render(traces: list[dict], path, title: str, ymax: float | None = None):
-    """A stacked-area figure, one panel per rank, phases shaded, the peak annotated."""
+    """A stacked-area figure, one panel per rank, phases shaded, the peak annotated.
+
+    All panels share one y scale (the highest peak, or ``ymax``), so several runs' traces
+    can be compared by eye; a trace's ``label`` key, if any, names its panel.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -432,7 +436,7 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
         ax.set_xlim(0, end)
         ax.set_ylim(0, top / scale * 1.25)
         ax.set_ylabel(f"live memory ({unit})")
-        label = f"rank {t['rank']}" if len(traces) > 1 else t["device"]
+        label = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
         ax.set_title(label, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("allocation / free events")
     handles = [Patch(color=COLORS[c], label=c) for c in reversed(STACK_ORDER)]

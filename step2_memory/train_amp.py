@@ -1,0 +1,80 @@
+"""Step 2a: automatic mixed precision (AMP). Step 1 plus an autocast region.
+
+Under ``torch.autocast`` matrix multiplies run in bf16 and the activations they produce
+(and autograd keeps for backward) are bf16: 2 bytes instead of 4. The weights, their
+gradients and AdamW's state stay fp32, so AMP does not shrink those 16 bytes per
+parameter; it shrinks activations, and on a GPU with tensor cores it is much faster.
+    python step2_memory/train_amp.py                  (bf16, CPU or GPU)
+    python step2_memory/train_amp.py --amp fp16       (GPU only: adds a GradScaler)
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed
+from common.errors import main_guard
+from common.memory import MemoryTracer
+from common.metrics import Metrics
+from common.model import build_model
+from common.training import adamw, evaluate, lr_schedule
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    cli.add_amp_flags(p)
+    args = cli.parse(p)
+    with distributed(args.device) as ctx:
+        cli.check_memory_savers(args, ctx.device)
+        corpus = load_corpus(args.data, seed=args.seed)
+        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+
+        model = build_model(args.model_config, ctx.device, seed=args.seed)
+        # fused=None, not False: None keeps PyTorch's default (the foreach kernels on CUDA).
+        optimizer = adamw(model.parameters(), args, fused=args.fused_adamw or None)
+        scheduler = lr_schedule(optimizer, args)
+        if args.compile:
+            model.compile()  # in place: parameter names and state_dict keys do not change
+        # fp16 has 5 exponent bits: small gradients underflow to zero. The scaler multiplies
+        # the loss by a large factor before backward, divides the gradients by it before the
+        # step, and skips any step whose gradients overflowed (halving the factor). bf16 has
+        # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
+        scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
+
+        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
+                              start=args.trace_start, steps=args.trace_steps)
+        metrics = Metrics(args, ctx, optimizer, dtype=args.compute_dtype)
+        for step in metrics.progress():
+            with tracer.record(step):
+                x, y = next(batches)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                # Only the forward pass and the loss go under autocast; backward runs each op
+                # in the dtype its forward used. The weights stay fp32: autocast casts a bf16
+                # copy of each for its matmul (and caches it for the rest of the forward).
+                with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
+                    logits = model(x)  # (batch, seq, vocab), bf16
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())  # autocast does this in fp32
+                scaler.scale(loss).backward()  # scale() and step() pass through when disabled
+                scaler.step(optimizer)
+                scaler.update()
+                # Free the gradients now, not at the start of the next step: they would
+                # otherwise sit in memory through the next forward pass, on top of its
+                # activations. set_to_none (the default) frees; zeroing would keep them.
+                optimizer.zero_grad(set_to_none=True)
+            metrics.log(step, loss, traced=tracer.will_record(step), loss_scale=scaler.get_scale())
+            scheduler.step()
+
+        val_loss = evaluate(model, corpus.val, args, ctx.device)
+        memory = tracer.save(args.out, ctx, title=f"Step 2, AMP {args.amp}: {args.model} model, "
+                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
+        metrics.finish(memory, val_loss=val_loss)
+
+
+if __name__ == "__main__":
+    main()
