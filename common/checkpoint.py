@@ -114,6 +114,7 @@ class Checkpointer:
                 "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
+                "grad_accum_steps": getattr(self.args, "grad_accum_steps", 1),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
 
@@ -163,6 +164,11 @@ class Checkpointer:
         self._load_state(state)
         if self.scheduler and meta["scheduler"]:
             self.scheduler.load_state_dict(meta["scheduler"])
+            # load_state_dict restores the schedule's position but not the optimizer's
+            # current lr; the saved param_groups may hold a stale one (ZeRO-1's inner
+            # optimizer only learns the lr at its next step). Set it from the schedule.
+            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
         if self.batches and meta["data_position"]:
             self.batches.load_state_dict(meta["data_position"])
         rng = path / f"rng_rank{self.ctx.rank}.pt"
@@ -184,6 +190,11 @@ class Checkpointer:
             if meta[key] != getattr(a, key):
                 raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
                                 f"{getattr(a, key)}; use the same value to continue exactly.")
+        # The data position counts loader batches of global_batch_size / grad_accum_steps.
+        accum = getattr(a, "grad_accum_steps", 1)
+        if meta.get("grad_accum_steps", 1) != accum:
+            raise UserError(f"checkpoint {path} was trained with --grad-accum-steps {meta.get('grad_accum_steps', 1)}, "
+                            f"this run asks for {accum}; use the same value to continue exactly.")
         saved_pp, pp = meta["parallel"].get("pp", 1), self.parallel.get("pp", 1)
         if saved_pp != pp and (saved_pp > 1 or pp > 1) and meta["parallel"].get("stages") != self.parallel.get("stages"):
             raise UserError(f"checkpoint {path} was saved with {saved_pp} pipeline stages and this run has {pp}; "
