@@ -66,6 +66,30 @@ def check_flags(args):
         raise UserError(f"--pg-timeout must be positive seconds (got {args.pg_timeout}).")
     if args.ckpt_keep < 1:
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
+    if not math.isfinite(args.pg_timeout):
+        raise UserError(f"--pg-timeout must be a finite number of seconds (got {args.pg_timeout}).")
+    if args.fail_at_step is not None and not 0 <= args.fail_at_step < args.steps:
+        raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
+    if args.fail_rank < 0:
+        raise UserError(f"--fail-rank cannot be negative (got {args.fail_rank}).")
+
+
+META_KEYS = ("step", "model", "model_config", "world_size", "parallel", "global_batch_size", "seq_len", "seed",
+             "data", "scheduler", "data_position")
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint, or one sentence saying why it cannot be used."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path}: meta.json cannot be read ({type(e).__name__}); move the folder "
+                        f"aside to resume from the one before it.") from None
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise UserError(f"checkpoint {path}: meta.json lacks {', '.join(missing)}; it was not written by this "
+                        f"tutorial's checkpointer (or was edited); move the folder aside.")
+    return meta
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -91,6 +115,9 @@ class Checkpointer:
         self.parallel = parallel or {"dp": ctx.world_size}
         self.folder = Path(args.out) / "checkpoints"
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if args.fail_at_step is not None and args.fail_rank >= ctx.world_size:
+            raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
+                            f"{ctx.world_size - 1}.")
 
     # ---- state --------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -151,8 +178,11 @@ class Checkpointer:
             self.ctx.print(f"--resume: no complete checkpoint in {self.folder} yet, starting from step 0")
             return 0
         path = found[-1]
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_meta(path)
         self._check_compatible(path, meta)
+        if meta["step"] + 1 >= self.args.steps:
+            raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
+                            f"or past it: nothing is left to train; raise --steps to continue.")
         state = self._state()
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -266,15 +296,26 @@ def export(checkpoint: str, dest: str):
     """One plain torch.save file of the model's full weights (no optimizer), for inference."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = Path(checkpoint)
+    path, dest = Path(checkpoint), Path(dest)
     if not (path / "meta.json").is_file():
         raise UserError(f"{path} is not a complete checkpoint (no meta.json); give a step_... folder.")
-    tmp = Path(dest).with_suffix(".full.tmp")
-    dcp_to_torch_save(str(path), str(tmp))
-    full = torch.load(tmp, weights_only=False)
-    meta = json.loads((path / "meta.json").read_text())
-    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, dest)
-    tmp.unlink()
+    if dest.exists():
+        raise UserError(f"{dest} already exists; give a new file name (export never overwrites).")
+    if not dest.parent.is_dir():
+        raise UserError(f"cannot write {dest}: the folder {dest.parent} does not exist.")
+    meta = read_meta(path)
+    tmp = dest.with_name(dest.name + ".tmp")
+    try:
+        dcp_to_torch_save(str(path), str(tmp))
+        full = torch.load(tmp, weights_only=False)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint, said plainly
+        reason = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} cannot be read ({reason}); export an older one.") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, partial)
+    os.replace(partial, dest)  # a crash mid-write leaves no half file under the real name
     print(f"wrote {dest}: {len(full['model'])} tensors of the {meta['model']!r} model at step {meta['step']}")
 
 

@@ -44,6 +44,9 @@ class Dist:
         shape, names = shape or (self.world_size,), names or ("dp",)
         key = (shape, names)
         if key not in self.meshes:
+            if any(s < 1 for s in shape):
+                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
+                                f"at least 1.")
             size = 1
             for s in shape:
                 size *= s
