@@ -66,6 +66,30 @@ def check_flags(args):
         raise UserError(f"--pg-timeout must be positive seconds (got {args.pg_timeout}).")
     if args.ckpt_keep < 1:
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
+    if not math.isfinite(args.pg_timeout):
+        raise UserError(f"--pg-timeout must be a finite number of seconds (got {args.pg_timeout}).")
+    if args.fail_at_step is not None and not 0 <= args.fail_at_step < args.steps:
+        raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
+    if args.fail_rank < 0:
+        raise UserError(f"--fail-rank cannot be negative (got {args.fail_rank}).")
+
+
+META_KEYS = ("step", "model", "model_config", "world_size", "parallel", "global_batch_size", "seq_len", "seed",
+             "data", "scheduler", "data_position")
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint, or one sentence saying why it cannot be used."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path}: meta.json cannot be read ({type(e).__name__}); move the folder "
+                        f"aside to resume from the one before it.") from None
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise UserError(f"checkpoint {path}: meta.json lacks {', '.join(missing)}; it was not written by this "
+                        f"tutorial's checkpointer (or was edited); move the folder aside.")
+    return meta
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -91,6 +115,9 @@ class Checkpointer:
         self.parallel = parallel or {"dp": ctx.world_size}
         self.folder = Path(args.out) / "checkpoints"
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if args.fail_at_step is not None and args.fail_rank >= ctx.world_size:
+            raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
+                            f"{ctx.world_size - 1}.")
 
     # ---- state --------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -114,6 +141,7 @@ class Checkpointer:
                 "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
+                "grad_accum_steps": getattr(self.args, "grad_accum_steps", 1),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
 
@@ -150,8 +178,11 @@ class Checkpointer:
             self.ctx.print(f"--resume: no complete checkpoint in {self.folder} yet, starting from step 0")
             return 0
         path = found[-1]
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_meta(path)
         self._check_compatible(path, meta)
+        if meta["step"] + 1 >= self.args.steps:
+            raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
+                            f"or past it: nothing is left to train; raise --steps to continue.")
         state = self._state()
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -163,6 +194,11 @@ class Checkpointer:
         self._load_state(state)
         if self.scheduler and meta["scheduler"]:
             self.scheduler.load_state_dict(meta["scheduler"])
+            # load_state_dict restores the schedule's position but not the optimizer's
+            # current lr; the saved param_groups may hold a stale one (ZeRO-1's inner
+            # optimizer only learns the lr at its next step). Set it from the schedule.
+            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
         if self.batches and meta["data_position"]:
             self.batches.load_state_dict(meta["data_position"])
         rng = path / f"rng_rank{self.ctx.rank}.pt"
@@ -184,6 +220,11 @@ class Checkpointer:
             if meta[key] != getattr(a, key):
                 raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
                                 f"{getattr(a, key)}; use the same value to continue exactly.")
+        # The data position counts loader batches of global_batch_size / grad_accum_steps.
+        accum = getattr(a, "grad_accum_steps", 1)
+        if meta.get("grad_accum_steps", 1) != accum:
+            raise UserError(f"checkpoint {path} was trained with --grad-accum-steps {meta.get('grad_accum_steps', 1)}, "
+                            f"this run asks for {accum}; use the same value to continue exactly.")
         saved_pp, pp = meta["parallel"].get("pp", 1), self.parallel.get("pp", 1)
         if saved_pp != pp and (saved_pp > 1 or pp > 1) and meta["parallel"].get("stages") != self.parallel.get("stages"):
             raise UserError(f"checkpoint {path} was saved with {saved_pp} pipeline stages and this run has {pp}; "
@@ -255,15 +296,26 @@ def export(checkpoint: str, dest: str):
     """One plain torch.save file of the model's full weights (no optimizer), for inference."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = Path(checkpoint)
+    path, dest = Path(checkpoint), Path(dest)
     if not (path / "meta.json").is_file():
         raise UserError(f"{path} is not a complete checkpoint (no meta.json); give a step_... folder.")
-    tmp = Path(dest).with_suffix(".full.tmp")
-    dcp_to_torch_save(str(path), str(tmp))
-    full = torch.load(tmp, weights_only=False)
-    meta = json.loads((path / "meta.json").read_text())
-    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, dest)
-    tmp.unlink()
+    if dest.exists():
+        raise UserError(f"{dest} already exists; give a new file name (export never overwrites).")
+    if not dest.parent.is_dir():
+        raise UserError(f"cannot write {dest}: the folder {dest.parent} does not exist.")
+    meta = read_meta(path)
+    tmp = dest.with_name(dest.name + ".tmp")
+    try:
+        dcp_to_torch_save(str(path), str(tmp))
+        full = torch.load(tmp, weights_only=False)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint, said plainly
+        reason = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} cannot be read ({reason}); export an older one.") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, partial)
+    os.replace(partial, dest)  # a crash mid-write leaves no half file under the real name
     print(f"wrote {dest}: {len(full['model'])} tensors of the {meta['model']!r} model at step {meta['step']}")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -10,8 +11,16 @@ from common.errors import UserError
 from common.model import PRESETS, get_config
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage block): under torchrun every rank
+    prints it, and four copies of the usage would bury the sentence that matters."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
 def parser(description: str | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("shared by every script")
     g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
     g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
@@ -50,8 +59,10 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     for flag in ("warmup_steps", "trace_start", "eval_batches"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)}).")
-    if not args.lr > 0:
-        raise UserError(f"--lr must be positive (got {args.lr}).")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UserError(f"--lr must be a positive number (got {args.lr}).")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be between 0 and 2**63 - 1 (got {args.seed}).")
     if args.n_layers is not None and args.n_layers <= 0:
         raise UserError(f"--n-layers must be positive (got {args.n_layers}).")
     try:
@@ -66,6 +77,8 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
                         f"lower it, train longer, or pass --no-trace-memory.")
     checkpoint.check_flags(args)
     args.out = Path(args.out or Path("runs") / args.script)
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
     return args
 
 

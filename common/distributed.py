@@ -44,6 +44,9 @@ class Dist:
         shape, names = shape or (self.world_size,), names or ("dp",)
         key = (shape, names)
         if key not in self.meshes:
+            if any(s < 1 for s in shape):
+                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
+                                f"at least 1.")
             size = 1
             for s in shape:
                 size *= s
@@ -74,6 +77,22 @@ def resolve_device(device: str, local_rank: int, local_world_size: int) -> torch
     raise UserError(f"--device {device!r}: choose auto, cpu or cuda.")
 
 
+def _restart_store(timeout: timedelta):
+    """After a torchrun restart (--max-restarts), a store view whose keys are fresh.
+
+    Workers meet in the agent's TCPStore, which outlives a restart; on torch 2.13 the
+    restarted ranks find the dead attempt's keys there (gloo: the old ranks' addresses,
+    "Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt gives
+    each attempt its own keys. None on the first attempt: the default path is used.
+    """
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"restart_{attempt}", store)
+
+
 @contextlib.contextmanager
 def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0):
     """Set up this process's rank, device and process group; always tear them down.
@@ -94,6 +113,8 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # device_id on CPU raises
     if not launched:  # plain python: a process group of one, so meshes and DDP still work
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    elif (store := _restart_store(timedelta(seconds=timeout_s))) is not None:
+        kwargs.update(store=store, rank=rank, world_size=world)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     ctx = Dist(rank, world, local_rank, dev, backend, launched)
     try:

@@ -119,7 +119,16 @@ CHAPTER4 = [
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
 ]
 
-RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4
+# ---- chapter 5: surviving faults (docs/chapter_faults.md); the table reads the checkpoints
+_5 = ["--model", "small", "--steps", "4", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "0",
+      "--no-trace-memory", "--ckpt-every", "2"]
+CHAPTER5 = [
+    Run("05_ddp4", "step3_multi_gpu/train_ddp.py", _5, nproc=4),
+    Run("05_zero1_4", "step3_multi_gpu/train_ddp.py", _5 + ["--zero1"], nproc=4),
+    Run("05_fsdp4", "step3_multi_gpu/train_fsdp.py", _5, nproc=4),
+]
+
+RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5
 
 
 def run_dir(name: str, suffix: str = "") -> Path:
@@ -240,8 +249,10 @@ def chapter2(suffix: str, only: str = "") -> dict[str, str]:
 
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
+from common.faults_report import write_faults_table  # noqa: E402
+
 # callables(suffix, only) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table]
+POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table, write_faults_table]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
@@ -274,8 +285,9 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     suffix = "" if args.device == "cpu" else "_cuda"
-    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures)
-            or (not r.figures and r.name.startswith(args.only))]  # runs that only feed a post step
+    # a run is redone if one of its figures, or its name (runs that only feed a table), matches --only
+    todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)
+            or (args.only and r.name.startswith(args.only))]
     for run in todo:
         out = run_dir(run.name, suffix)
         launch(run, out, args.device)

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.nn.functional as F
 
 from common import cli
-from common.checkpoint import Checkpointer
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
@@ -33,6 +33,7 @@ def main():
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
         ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data)
         start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
         batches = iter(data)

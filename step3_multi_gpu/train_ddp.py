@@ -21,6 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import cli, comm_hooks
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.comm import CommCounter
 from common.data import Batches, load_corpus
 from common.distributed import distributed
@@ -41,7 +42,7 @@ def main(argv=None):
     comm_hooks.add_comm_hook_flag(p)
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         launch_hint(ctx, "step3_multi_gpu/train_ddp.py")
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
@@ -49,8 +50,8 @@ def main(argv=None):
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
-                               dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
+                       dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a
@@ -66,6 +67,13 @@ def main(argv=None):
         else:
             optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # ZeRO-1's AdamW state lives in an inner optimizer over this rank's partition: each
+        # rank checkpoints its own part, by parameter name, so any world size can load it.
+        inner = optimizer.optim if args.zero1 else optimizer
+        ckpt = Checkpointer(args, ctx, [(model, inner)], scheduler, data, parallel={"dp": mesh.size()})
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         # ZeroRedundancyOptimizer keeps its state in an inner optimizer: show it to the tracer.
         sources = [lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else []
@@ -73,7 +81,7 @@ def main(argv=None):
                               start=args.trace_start, steps=args.trace_steps, sources=sources)
         comm = CommCounter()
         metrics = Metrics(args, ctx, optimizer, parallel={"dp": mesh.size()})
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm:
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum_steps):
@@ -94,6 +102,7 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=False)
             metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
             scheduler.step()
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         val_loss = evaluate(model, corpus.val, args, ctx.device)
         what = "DDP + ZeRO-1" if args.zero1 else "DDP"

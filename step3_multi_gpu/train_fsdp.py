@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cli
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.comm import CommCounter
 from common.data import Batches, load_corpus
 from common.distributed import distributed
@@ -51,7 +52,7 @@ def main(argv=None):
     p.add_argument("--cpu-offload", action="store_true",
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
     args = cli.parse(p, argv)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         launch_hint(ctx, "step3_multi_gpu/train_fsdp.py")
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
@@ -60,8 +61,8 @@ def main(argv=None):
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
-                               dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
+                       dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         # Build on the meta device (shapes, no memory), shard, and only then allocate: each
         # rank materialises its own shards, so the full model never exists anywhere.
@@ -75,6 +76,13 @@ def main(argv=None):
         model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
         optimizer = adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # Each rank saves only its shards (DTensors); a run on another number of ranks
+        # reads its new shards from whichever files hold them.
+        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data,
+                            parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)))
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
@@ -82,7 +90,7 @@ def main(argv=None):
         comm = CommCounter()
         metrics = Metrics(args, ctx, optimizer, parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)),
                           dtype="bf16" if args.mixed_precision else "fp32")
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm:
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum_steps):
@@ -101,6 +109,7 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
             metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
             scheduler.step()
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         val_loss = evaluate(model, corpus.val, args, ctx.device)
         what = f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP"

@@ -1,0 +1,42 @@
+"""Chapter "survive faults": what a checkpoint holds on disk, per strategy, against 12N.
+
+``write_faults_table`` reads the checkpoint folders of the chapter's runs (registered in
+common/figures.py as CHAPTER5) and writes figs/05_checkpoint_table.md: files, bytes per
+rank's data file, and the total against the formula. A checkpoint holds the fp32 weights
+(4N bytes) and AdamW's two moments (8N), N = parameters, whatever the strategy: DDP's
+replicas are written once (DCP spreads the identical tensors over the ranks), FSDP's
+shards once each.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.memory import fmt_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkpoint_row(run: Path) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    newest = sorted(p for p in (run / "checkpoints").iterdir() if p.is_dir() and not p.name.endswith("_partial"))[-1]
+    data = sorted(newest.glob("*.distcp"))
+    n = summary["n_params"]
+    total = sum(p.stat().st_size for p in newest.iterdir() if p.is_file())
+    return {"script": summary["script"], "strategy": summary.get("strategy", "?"), "world": summary["world_size"],
+            "checkpoint": newest.name, "files": len(list(newest.iterdir())),
+            "per_rank": [p.stat().st_size for p in data], "data_bytes": sum(p.stat().st_size for p in data),
+            "total_bytes": total, "n_params": n, "formula": 12 * n}
+
+
+def write_faults_table(suffix: str = "", only: str = "", runs=("05_ddp4", "05_zero1_4", "05_fsdp4")) -> dict[str, str]:
+    rows = [checkpoint_row(ROOT / "runs" / "figs" / (name + suffix)) for name in runs]
+    lines = ["| run | ranks | files in the checkpoint | bytes per rank's .distcp file | all .distcp files | "
+             "12N (4N weights + 8N AdamW) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        per = ", ".join(fmt_bytes(b) for b in r["per_rank"])
+        lines.append(f"| {r['strategy']} | {r['world']} | {r['files']} | {per} | {fmt_bytes(r['data_bytes'])} | "
+                     f"{fmt_bytes(r['formula'])} ({r['data_bytes'] / r['formula']:.3f}x) |")
+    table = "\n".join(lines)
+    (ROOT / "figs" / f"05_checkpoint_table{suffix}.md").write_text(table + "\n")
+    return {"table-05" + suffix: table}
