@@ -108,7 +108,7 @@ CHAPTER3B: list[Run] = [
         nproc=2, figures={"03_pipeline_bubble.png": "pipeline_bubble.png", "03_pipeline_bubble.md": "pipeline_bubble.md"}),
 ]
 
-# ---- chapter 4: the communication lab (docs/commlab.md) -------------------------------
+# ---- chapter 4: the communication lab (README: the communication lab) -------------------------------
 CHAPTER4 = [
     Run("commlab_collectives", "step3_multi_gpu/bench_collectives.py", [], nproc=4,
         figures={"04_collectives_busbw.png": "collectives.png", "04_collectives_table.md": "collectives.md"}),
@@ -119,7 +119,7 @@ CHAPTER4 = [
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
 ]
 
-# ---- chapter 5: surviving faults (docs/chapter_faults.md); the table reads the checkpoints
+# ---- chapter 5: surviving faults (README: survive faults); the table reads the checkpoints
 _5 = ["--model", "small", "--steps", "4", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "0",
       "--no-trace-memory", "--ckpt-every", "2"]
 CHAPTER5 = [
