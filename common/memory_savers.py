@@ -6,6 +6,12 @@ class is swapped for a subclass whose ``forward`` runs the original one under
 ``torch.utils.checkpoint``. Nothing is wrapped, so parameter names, ``state_dict`` keys
 and everything that addresses the model by name (FSDP, tensor parallelism, checkpoints)
 see the same model as without AC. ``print(model)`` shows ``CheckpointedTransformerBlock``.
+
+With FSDP, apply AC *before* ``fully_shard``: the checkpoint then sits inside each FSDP
+unit, FSDP casts the block's inputs to bf16 before the checkpoint saves them, and the
+recomputation sees exactly the dtypes of the original forward. The other order,
+checkpoint(fsdp_block), recomputes from the saved fp32 inputs without that cast on
+torch < 2.13 (pytorch issue 159359) and fails with a metadata mismatch.
 """
 from __future__ import annotations
 

@@ -7,13 +7,11 @@ sharded; one short function wraps each transformer block, then the root, from ou
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -66,22 +64,6 @@ def global_mean(t: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         t /= dist.get_world_size(group)
     return t
-
-
-def apply_activation_checkpointing(model: torch.nn.Module):
-    """Recompute each block's activations in backward instead of keeping them.
-
-    The block's ``forward`` is wrapped in place rather than the block in a wrapper
-    module, so parameter names (and with them the name-seeded initial weights) do not
-    change. Applied before ``fully_shard``, the checkpoint sits *inside* the FSDP unit:
-    FSDP casts the block's inputs to bf16 before the checkpoint saves them, so the
-    recomputation sees exactly the dtypes of the original forward. The other order,
-    checkpoint(fsdp_block), recomputes from the saved fp32 inputs without that cast on
-    torch < 2.13 (pytorch issue 159359) and fails with a metadata mismatch.
-    """
-    for block in model.layers.values():
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    return model
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,

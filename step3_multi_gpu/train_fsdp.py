@@ -29,7 +29,8 @@ from common.errors import main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
 from common.model import Transformer
-from common.parallel import (apply_activation_checkpointing, apply_fsdp, gather_comm, global_mean, launch_hint,
+from common.memory_savers import apply_ac
+from common.parallel import (apply_fsdp, gather_comm, global_mean, launch_hint,
                              micro_batch_size, print_comm, trace_fsdp_memory)
 from common.training import adamw, evaluate, lr_schedule
 
@@ -69,7 +70,7 @@ def main(argv=None):
         with torch.device("meta"):
             model = Transformer(args.model_config)
         if args.activation_checkpointing:
-            apply_activation_checkpointing(model)  # before FSDP: the checkpoint sits inside each unit
+            apply_ac(model, "full")  # before FSDP: the checkpoint sits inside each unit
         apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
                    param_dtype=torch.bfloat16 if args.mixed_precision else None, cpu_offload=args.cpu_offload)
         model.to_empty(device=ctx.device)
