@@ -203,7 +203,7 @@ def chapter2(suffix: str, only: str = "") -> dict[str, str]:
     import json
     import platform
 
-    from common.comparison import RunResult, markdown_table, render_beside, render_peak_bars
+    from common.compare import RunResult, markdown_table, render_beside, render_peak_bars
 
     runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix))
             for r in CHAPTER2 if r.name in _CH2_LABELS}
@@ -247,12 +247,49 @@ def chapter2(suffix: str, only: str = "") -> dict[str, str]:
     return {f"table-02{suffix}": text}
 
 
+# chapter 3's strategies on one scale: run folder (under runs/figs/) -> label. All from the
+# 03_strategies plan, which runs DDP and FSDP on the same model, batch and sequence length
+# as TP and PP (chapter 3a's own runs use 4 layers and 128 tokens, so they would not compare).
+_CH3_COMPARE = {"03_strategies/ddp": "DDP", "03_strategies/fsdp": "FSDP (ZeRO-3)", "03_strategies/tp": "TP",
+                "03_strategies/pp_1f1b": "PP (1F1B)", "03_strategies/2d": "2-D (FSDP x TP)"}
+
+
+def chapter3_compare(suffix: str = "", only: str = "") -> dict[str, str]:
+    """figs/03_memory_compare.png (and its per-rank peak bars) from chapter 3's runs, with
+    ``python -m common.compare``; the runs that are missing are left out."""
+    if only and not ("03_memory_compare".startswith(only) or only.startswith("03")):
+        return {}
+    from common.compare import compare
+
+    def folder(name):
+        head, _, tail = name.partition("/")
+        return ROOT / "runs" / "figs" / (head + suffix) / tail
+
+    have = {name: label for name, label in _CH3_COMPARE.items() if (folder(name) / "summary.json").exists()
+            and (folder(name) / "memory_trace.json").exists()}
+    missing = [n for n in _CH3_COMPARE if n not in have]
+    if missing:
+        print(f"chapter 3 comparison: leaving out {', '.join(missing)} (no run in runs/figs/)", flush=True)
+    if len(have) < 2:
+        print("skipped the chapter 3 comparison: fewer than two of its runs exist", flush=True)
+        return {}
+    out = ROOT / "runs" / "figs" / f"03_compare{suffix}"
+    md = compare([folder(n) for n in have], list(have.values()), out,
+                 title=None)
+    shutil.copyfile(out / "memory_timelines.png", ROOT / "figs" / f"03_memory_compare{suffix}.png")
+    shutil.copyfile(out / "peak_by_category.png", ROOT / "figs" / f"03_peak_by_rank{suffix}.png")
+    (ROOT / "figs" / f"03_compare_table{suffix}.md").write_text(md)
+    for f in (f"03_memory_compare{suffix}.png", f"03_peak_by_rank{suffix}.png", f"03_compare_table{suffix}.md"):
+        print(f"wrote figs/{f}", flush=True)
+    return {"table-03-compare" + suffix: md}
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
 from common.faults_report import write_faults_table  # noqa: E402
 
 # callables(suffix, only) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table, write_faults_table]
+POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table, chapter3_compare, write_faults_table]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):

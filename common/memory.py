@@ -397,14 +397,16 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
     """A stacked-area figure, one panel per rank, phases shaded, the peak annotated.
 
     All panels share one y scale (the highest peak, or ``ymax``), so several runs' traces
-    can be compared by eye; a trace's ``label`` key, if any, names its panel.
+    can be compared by eye; a trace's ``label`` key, if any, names its panel, and its
+    ``other_ranks`` key, if any (traces of the same run's other ranks), adds each of those
+    ranks' total as a line over the stacked areas (common/compare.py draws runs this way).
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    peak = max(t["peak_bytes"] for t in traces)
+    peak = max([t["peak_bytes"] for t in traces] + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
     top = ymax or peak
     scale, unit = ((2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (2**10, "KiB"))
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
@@ -414,6 +416,13 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
         ys = [np.asarray(s[c]) / scale for c in STACK_ORDER]
         ax.stackplot(x, ys, colors=[COLORS[c] for c in STACK_ORDER], step="post", linewidth=0)
         end = t["events"] - 1
+        for o, ls in zip(t.get("other_ranks", ()), ("-", "--", "-.", ":") * 64):
+            so = o["series"]
+            ax.plot(so["event"], np.sum([so[c] for c in CATEGORIES], axis=0) / scale, color="k", linewidth=0.9,
+                    linestyle=ls, drawstyle="steps-post", label=f"rank {o['rank']} total", alpha=0.75)
+            end = max(end, o["events"] - 1)
+        if t.get("other_ranks"):
+            ax.legend(loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.86))
         spans = t["phases"] + [(end, None)]
         for (a, ph), (b, _) in zip(spans[:-1], spans[1:]):
             if ph is None:

@@ -1,0 +1,194 @@
+"""The README's commands keep working: the docs cannot rot.
+
+Every ``python ...`` / ``torchrun ...`` line in README.md's ```bash blocks is checked
+cheaply: the script exists and argparse accepts its flags (the script's own parser, run
+in this process and stopped right after parsing, so no training and no new process per
+command). A few representative commands then run end to end, with tiny sizes appended
+(argparse keeps the last value of a flag), in parallel processes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4",
+        "--no-trace-memory", "--eval-batches", "0"]
+
+# Commands whose flags are not checked, and why.
+NOT_CHECKED = {
+    "python -m pytest": "the test suite itself",
+    "python -c": "an inline snippet, not a script",
+}
+# Commands that run end to end (matched on the start of the README line). The rest are
+# only flag-checked: they need GPUs (dp_vs_ddp.py, --amp fp16), several machines
+# (--nnodes 2), are long benchmarks (bench_collectives, ring_allreduce, compare_comm_hooks,
+# common.figures) or need an earlier run's checkpoint (--resume, checkpoint export).
+RUN = [
+    "python step1_single_gpu/train.py --model small --steps 30",
+    "python step2_memory/train_amp_ac.py --ac selective",
+    "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1",
+    "torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --mixed-precision --activation-checkpointing",
+]
+
+
+def readme_commands() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        block = block.replace("\\\n", " ")  # continued lines
+        for line in block.splitlines():
+            line = line.strip()
+            if line.startswith(("python ", "torchrun ")):
+                cmds.append(shlex.split(line, comments=True))
+    return cmds
+
+
+class _Parsed(BaseException):
+    """Raised right after argparse succeeds; a BaseException so main_guard lets it through."""
+
+
+def split(cmd: list[str]) -> tuple[list[str], str, list[str]]:
+    """(torchrun flags, script path or -m module, script flags)."""
+    if cmd[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+        ns = get_args_parser().parse_args(cmd[1:])
+        return cmd[1:len(cmd) - len(ns.training_script_args) - 1], ns.training_script, ns.training_script_args
+    if cmd[1] == "-m":
+        return [], "-m " + cmd[2], cmd[3:]
+    return [], cmd[1], cmd[2:]
+
+
+def parse_only(target: str, argv: list[str]) -> int:
+    """Run ``target``'s main() with ``argv`` until its arguments are parsed: the exit
+    code argparse gives (0 when they parse)."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        real(self, args, namespace)
+        raise _Parsed
+
+    saved = sys.argv
+    sys.argv = [target, *argv]
+    argparse.ArgumentParser.parse_args = parse_args
+    try:
+        if target.startswith("-m "):
+            runpy.run_module(target[3:], run_name="__main__", alter_sys=False)
+        else:
+            runpy.run_path(str(ROOT / target), run_name="__main__")
+    except _Parsed:
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        argparse.ArgumentParser.parse_args = real
+        sys.argv = saved
+    return 0
+
+
+def test_readme_flags_parse(capsys):
+    cmds = readme_commands()
+    assert len(cmds) >= 20, "README.md's bash blocks lost their commands?"
+    bad = []
+    for cmd in cmds:
+        line = " ".join(cmd)
+        if any(line.startswith(k) for k in NOT_CHECKED):
+            continue
+        _, target, argv = split(cmd)
+        if not target.startswith("-m "):
+            assert (ROOT / target).exists(), f"README runs {target}, which does not exist"
+        # placeholders a reader fills in (e.g. a checkpoint path) still parse as strings
+        code = parse_only(target, argv)
+        if code:
+            bad.append(f"{line}: exit {code}: {capsys.readouterr().err.strip()[-200:]}")
+    assert not bad, "README commands whose flags the script rejects:\n" + "\n".join(bad)
+
+
+def test_readme_commands_run(tmp_path):
+    cmds = {" ".join(c): c for c in readme_commands()}
+    for start in RUN:
+        assert any(line.startswith(start) for line in cmds), f"README no longer has `{start}`; update RUN"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+    def run(i_start):
+        i, start = i_start
+        cmd = next(c for line, c in cmds.items() if line.startswith(start))
+        torchrun, target, argv = split(cmd)
+        out = ["--out", str(tmp_path / f"run{i}"), "--device", "cpu"]
+        if torchrun:
+            # 2 ranks, not 4: the same code paths, half the processes on a 2-core machine
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        else:
+            launch = [sys.executable]
+        t = time.perf_counter()
+        p = subprocess.run(launch + [target, *argv, *TINY, *out], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        return start, p, time.perf_counter() - t
+
+    with ThreadPoolExecutor(len(RUN)) as pool:
+        results = list(pool.map(run, enumerate(RUN)))
+    failed = [f"{s} (exit {p.returncode}):\n{p.stderr[-1500:]}" for s, p, _ in results if p.returncode]
+    assert not failed, "\n\n".join(failed)
+    for s, _, dt in results:
+        print(f"{dt:5.1f} s  {s}")
+
+
+@pytest.fixture
+def synthetic_runs(tmp_path):
+    """Two run folders with made-up summaries and 2-rank traces."""
+    import json
+    from common.memory import CATEGORIES
+    folders = []
+    for k, scale in enumerate((1.0, 0.5)):
+        folder = tmp_path / f"run{k}"
+        folder.mkdir()
+        traces = []
+        for rank in range(2):
+            series = {"event": list(range(10))}
+            for j, c in enumerate(CATEGORIES):
+                series[c] = [int(scale * (j + 1) * 2**20 * (1 + (e % 5) / 4 + rank / 10)) for e in range(10)]
+            totals = [sum(series[c][e] for c in CATEGORIES) for e in range(10)]
+            pe = max(range(10), key=totals.__getitem__)
+            traces.append({"rank": rank, "device": "cpu", "events": 10, "peak_bytes": totals[pe], "peak_event": pe,
+                           "at_peak": {c: series[c][pe] for c in CATEGORIES},
+                           "peak_by_category": {c: max(series[c]) for c in CATEGORIES},
+                           "allocator_peak_bytes": None, "phases": [[0, "forward"], [4, "backward"], [8, "optimizer"]],
+                           "steps": [[0, 1]], "series": series})
+        (folder / "memory_trace.json").write_text(json.dumps(traces))
+        summary = {"model": "debug", "global_batch_size": 4, "seq_len": 32, "device_name": "CPU", "world_size": 2,
+                   "step_time_s": 0.5, "tokens_per_s": 256.0, "final_loss": 3.0 + k,
+                   **({"comm": [{"all_reduce": {"calls": 1, "bytes": 1000, "wire_bytes": 1000}}] * 2} if k else {})}
+        (folder / "summary.json").write_text(json.dumps(summary))
+        folders.append(folder)
+    return folders
+
+
+def test_compare_renders(synthetic_runs, tmp_path):
+    from common.compare import compare
+    md = compare(synthetic_runs, ["A", "B"], tmp_path / "out")
+    for f in ("memory_timelines.png", "peak_by_category.png", "compare.md"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    rows = md.strip().splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| A | 2 |") and rows[3].startswith("| B | 2 |")
+    assert "n/a" in rows[2] and "1000 B" in rows[3]  # A counted no bytes; B 1000 B per rank per step
+    assert "0.50x" in rows[3]
+
+
+def test_compare_missing_folder(synthetic_runs, tmp_path, capsys):
+    from common.compare import main
+    for bad in (tmp_path / "nope", tmp_path):  # missing; a folder without summary.json
+        with pytest.raises(SystemExit) as e:
+            main([str(synthetic_runs[0]), str(bad), "--out", str(tmp_path / "o")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and str(bad) in err
