@@ -366,7 +366,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     act *= in_flight
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
     if plan.dtype == "bf16":
-        act += amp_weight_copies(shapes) // (shard if fsdp else 1)
+        if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
+            act += amp_weight_copies(shapes)
         if plan.ac != "full":
             act += n_layers * in_flight * 4 * plan.seq_len * cfg.head_dim  # RoPE tables cast to bf16
     out["activations"] = act
