@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from common.comm import CommCounter
 from common.errors import UserError
 from common.model import ModelConfig, Transformer
+from common.theory import stage_layers  # the formulas live in theory.py
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -106,50 +107,8 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False, loss_
     return model
 
 
-def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
-                      bytes_per_el: int = 4) -> dict[str, int]:
-    """The activation traffic the plan above implies, as logical bytes per optimizer step.
-
-    Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
-    forward (after wo, after w2) and 2 in backward (the input gradients of the q/k/v and
-    w1/w3 groups). Outside the blocks: the embedding's output in forward and the output
-    projection's input gradient in backward. So 4L + 2 all-reduces.
-
-    With sequence parallelism each of them becomes a reduce-scatter on one side and an
-    all-gather on the other (forward: reduce-scatter after wo/w2 and the embedding,
-    all-gather before attention, the MLP and the output; backward: the mirror image):
-    4L + 2 of each, and since a ring all-reduce *is* a reduce-scatter followed by an
-    all-gather, exactly the same bytes on the wire.
-
-    Small extras not counted here: with SP the norm gains' gradients (all-reduced, 4 bytes
-    x dim each); loss parallelism's per-token statistics (the byte counter does not see
-    collectives issued inside DTensor's own operator implementations).
-    """
-    act = batch * seq_len * cfg.dim * bytes_per_el
-    n = 4 * cfg.n_layers + 2
-    if sequence_parallel:
-        return {"all_gather": n * act, "reduce_scatter": n * act}
-    return {"all_reduce": n * act}
-
-
 # ---- FSDP over one dimension of a mesh --------------------------------------------------------
 # ---- pipeline parallelism -----------------------------------------------------------------
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """The layer indices each stage owns: contiguous, sizes differing by at most one.
-
-    When ``n_layers`` does not divide, the *last* ``n_layers % n_stages`` stages get one
-    layer more. Why the last: under 1F1B stage s keeps up to (stages - s) micro-batches of
-    activations alive, the first stage the most and the last only one, so extra layers
-    cost least memory at the end. (The last stage also runs the output projection and the
-    loss: cheap with our 256-byte vocabulary, worth about two layers with a 128K one, where
-    you would give it fewer layers instead.)
-    """
-    base, extra = divmod(n_layers, n_stages)
-    sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
-
-
 def stage_indices(rank: int, pp: int, schedule: str) -> list[int]:
     """The stages this rank runs: one, or for the interleaved schedule one per loop (r, r + pp)."""
     return [rank + k * pp for k in range(STAGES_PER_RANK[schedule])]

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch.nn.functional as F
 
-from common import cli
+from common import cli, theory
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed
@@ -60,7 +60,7 @@ def main():
         val_loss = evaluate(model, corpus.val, args, ctx.device)
         memory = tracer.save(args.out, ctx, title=f"Step 1, fp32 baseline: {args.model} model, "
                              f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        metrics.finish(memory, val_loss=val_loss)
+        metrics.finish(memory, val_loss=val_loss, predicted=theory.report(args, ctx, memory, "single"))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from common import cli
+from common import cli, theory
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
@@ -88,7 +88,8 @@ def main():
         if args.save_weights:
             save_full_weights([model], ctx, args.out / "weights.pt")
         metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
-                       comm=comm.summary())
+                       comm=comm.summary(), predicted=theory.report(
+                           args, ctx, memory, "2d", tp=args.tp, sequence_parallel=args.sequence_parallel))
 
 
 if __name__ == "__main__":

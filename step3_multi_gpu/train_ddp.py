@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import cli, comm_hooks
+from common import cli, comm_hooks, theory
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.comm import CommCounter
 from common.data import Batches, load_corpus
@@ -109,7 +109,8 @@ def main(argv=None):
         memory = tracer.save(args.out, ctx, title=f"Step 3a, {what} on {ctx.world_size} ranks: {args.model} model, "
                              f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
         comm_by_rank = gather_comm(comm, ctx, args.steps)
-        metrics.finish(memory, val_loss=val_loss, strategy="zero1" if args.zero1 else "ddp", comm=comm_by_rank)
+        metrics.finish(memory, val_loss=val_loss, strategy="zero1" if args.zero1 else "ddp", comm=comm_by_rank,
+                       predicted=theory.report(args, ctx, memory, "zero1" if args.zero1 else "ddp", accum=args.grad_accum_steps))
         print_comm(ctx, comm_by_rank, metrics.n_params)
 
 

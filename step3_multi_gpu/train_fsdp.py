@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.nn.functional as F
 
-from common import cli
+from common import cli, theory
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.comm import CommCounter
 from common.data import Batches, load_corpus
@@ -121,7 +121,9 @@ def main(argv=None):
                              f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
         comm_by_rank = gather_comm(comm, ctx, args.steps)
         strategy = ("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2")
-        metrics.finish(memory, val_loss=val_loss, strategy=strategy, comm=comm_by_rank)
+        metrics.finish(memory, val_loss=val_loss, strategy=strategy, comm=comm_by_rank, predicted=theory.report(
+            args, ctx, memory, strategy, shard=args.hsdp and args.hsdp[1], accum=args.grad_accum_steps,
+            dtype="bf16" if args.mixed_precision else "fp32", ac="full" if args.activation_checkpointing else "none"))
         print_comm(ctx, comm_by_rank, metrics.n_params)
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from common import cli
+from common import cli, theory
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import main_guard
@@ -91,7 +91,8 @@ def main():
         bubble = bubble_report(metrics, ctx, args.schedule, pp, args.microbatches)
         metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                        stage_layers=stage_layers(args.model_config.n_layers, n_stages),
-                       comm=comm.summary(), bubble=bubble)
+                       comm=comm.summary(), bubble=bubble, predicted=theory.report(
+                           args, ctx, memory, "pp", microbatches=args.microbatches, schedule=args.schedule))
 
 
 if __name__ == "__main__":

@@ -21,14 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from common import cli
+from common import cli, theory
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
 from common.model import Transformer
-from common.model_parallel import StepComm, apply_tp, check_tp, global_loss, save_full_weights, tp_bytes_per_step
+from common.model_parallel import StepComm, apply_tp, check_tp, global_loss, save_full_weights
+from common.theory import tp_bytes_per_step
 from common.training import adamw, evaluate, lr_schedule
 
 
@@ -88,7 +89,9 @@ def main():
         metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
                        loss_parallel=args.loss_parallel, comm=comm.summary(),
                        comm_expected=tp_bytes_per_step(args.model_config, args.global_batch_size, args.seq_len,
-                                                       args.sequence_parallel))
+                                                       args.sequence_parallel),
+                       predicted=theory.report(args, ctx, memory, "tp", sequence_parallel=args.sequence_parallel,
+                                               loss_parallel=args.loss_parallel))
 
 
 if __name__ == "__main__":

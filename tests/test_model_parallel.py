@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.model import Transformer, get_config  # noqa: E402
-from common.model_parallel import (bubble_formula, simulate_schedule, stage_layers,  # noqa: E402
-                                   tp_bytes_per_step)
+from common.model_parallel import bubble_formula, simulate_schedule  # noqa: E402
+from common.theory import stage_layers, tp_bytes_per_step  # noqa: E402
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32

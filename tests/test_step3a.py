@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.dp_theory import comm_bytes, model_state, padded_shard_numel, param_shapes, unsharded_bytes  # noqa: E402
+from common.theory import comm_bytes, model_state, padded_shard_numel, param_shapes, unsharded_bytes  # noqa: E402
 from common.model import count_params, get_config  # noqa: E402
 
 CFG = get_config("debug")

@@ -1,0 +1,304 @@
+"""Will it fit? Per-GPU memory of a training configuration, without a GPU.
+
+    python -m common.estimate --model 8b --world-size 4 --strategy fsdp --gpu-mem 80
+    python -m common.estimate --model 8b --world-size 4 --strategy all --gpu-mem 80
+    python -m common.estimate --model debug --world-size 4 --strategy fsdp --trace
+
+From the formulas of common/theory.py, and with ``--trace`` also from a real forward,
+backward and optimizer step of the model run under ``FakeTensorMode``: every tensor has
+a shape, a dtype and a device but no memory, and a fake process group (``backend="fake"``,
+whose collectives do nothing) lets DDP, FSDP2 and tensor parallelism build as they would
+on ``--world-size`` GPUs. common/memory.py's tracer, which only looks at storages' sizes,
+measures rank 0 by category. Pipeline parallelism is not traced: its schedule exchanges
+tensors point to point between real processes, which a fake group cannot answer.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+from common.errors import UserError, main_guard
+from common.memory import fmt_bytes
+from common.model import PRESETS, get_config
+from common.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
+
+GiB = 2**30
+TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m common.estimate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
+    p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--world-size", type=int, default=1, help="number of GPUs (default: 1)")
+    p.add_argument("--strategy", default="fsdp",
+                   help=f"{', '.join(STRATEGIES)} (fsdp = fsdp_zero3), or 'all' for a table (default: fsdp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1; 'tp' uses the world size)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1; 'pp' uses the world size)")
+    p.add_argument("--hsdp-shard", type=int, default=None, help="HSDP's shard group size (default: world / 2)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
+    p.add_argument("--ac", default="none", choices=("none", "full"), help="activation checkpointing (default: none)")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace a real step under FakeTensorMode and a fake process group (rank 0)")
+    return p
+
+
+def check(args) -> None:
+    if args.model not in PRESETS:
+        raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
+    strategy = ALIASES.get(args.strategy, args.strategy)
+    if strategy != "all" and strategy not in STRATEGIES:
+        raise UserError(f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}, fsdp or all.")
+    for flag in ("world_size", "tp", "pp", "seq_len"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    if not args.gpu_mem > 0:
+        raise UserError(f"--gpu-mem must be a positive number of GiB (got {args.gpu_mem:g}).")
+    if args.world_size % (args.tp * args.pp):
+        raise UserError(f"--world-size {args.world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
+                        f"use a world size that is a multiple of {args.tp * args.pp}.")
+    if args.batch is not None and args.batch <= 0:
+        raise UserError(f"--batch must be positive (got {args.batch}).")
+    cfg = get_config(args.model, n_layers=args.n_layers)
+    if args.seq_len > cfg.max_seq_len:
+        raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports ({cfg.max_seq_len}).")
+
+
+def plans(args) -> list[Plan]:
+    """The configurations to estimate: one, or with --strategy all every one the world size allows."""
+    cfg = get_config(args.model, n_layers=args.n_layers)
+    w = args.world_size
+    batch = args.batch or w
+    common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac,
+                  microbatches=args.microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel)
+    strategy = ALIASES.get(args.strategy, args.strategy)
+    if strategy != "all":
+        shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
+        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, **common)]
+    out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
+    if w > 1:
+        out += [Plan(cfg, s, **common) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
+        if w % 2 == 0 and w > 2:
+            out.append(Plan(cfg, "hsdp", shard=w // 2, **common))
+        tp = 2 if w % 2 == 0 else w
+        if cfg.n_heads % w == 0 and cfg.n_kv_heads % w == 0:
+            out.append(Plan(cfg, "tp", **common))
+        if cfg.n_layers >= w and batch % w == 0:
+            out.append(Plan(cfg, "pp", **(common | {"microbatches": args.microbatches or w})))
+        if w > 2 and w % 2 == 0:
+            out.append(Plan(cfg, "2d", tp=tp, **common))
+    return [p for p in out if p.batch % max(1, p.dp) == 0]
+
+
+def label(p: Plan) -> str:
+    if p.strategy == "single":
+        return "single device"
+    deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
+           "2d": f" dp={p.dp} x tp={p.tp}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+    extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
+    return f"{p.strategy}{deg}{extra} on {p.world}"
+
+
+def worst_rank(p: Plan) -> dict:
+    """The rank with the highest predicted peak (ranks differ under PP and uneven FSDP chunks)."""
+    ranks = range(p.world) if p.pp > 1 else [0]
+    return max((dict(predict(p, r), rank=r) for r in ranks), key=lambda x: x["peak"])
+
+
+# ---- tracing under fake tensors -----------------------------------------------------------------
+def trace(p: Plan) -> dict:
+    """Rank 0's memory by category in one real training step of plan ``p``, traced without allocating.
+
+    The second of two steps is measured (AdamW's state is created in the first)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from common.memory import MemoryTracer
+    from common.model import Transformer
+
+    if p.strategy not in TRACEABLE or p.pp > 1:
+        raise UserError(f"--trace cannot run {p.strategy} (pipeline parallelism needs real processes to pass "
+                        f"tensors between stages); drop --trace for the formula alone.")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.world)
+    try:
+        mesh = _mesh(p)  # before faking: building a mesh reads real tensors
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _trace_step(p, mesh, torch, F, MemoryTracer, Transformer)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _mesh(p: Plan):
+    from torch.distributed.device_mesh import init_device_mesh
+    if p.strategy in ("tp", "2d"):
+        return init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
+    if p.strategy == "hsdp":
+        return init_device_mesh("cpu", (p.world // p.shard, p.shard), mesh_dim_names=("replicate", "shard"))
+    if p.world > 1:
+        return init_device_mesh("cpu", (p.world,), mesh_dim_names=("dp",))
+    return None
+
+
+def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
+    from common.parallel import apply_activation_checkpointing, apply_fsdp, trace_fsdp_memory
+
+    device = torch.device("cpu")
+    model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
+    if p.ac == "full":
+        apply_activation_checkpointing(model)
+    fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
+    if p.strategy in ("tp", "2d"):
+        from common.model_parallel import apply_tp
+        apply_tp(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
+        if p.dp > 1:
+            apply_fsdp(model, mesh["dp"])
+    elif fsdp:
+        apply_fsdp(model, mesh, reshard_after_forward=p.strategy.endswith("zero3"),
+                   param_dtype=torch.bfloat16 if p.dtype == "bf16" else None)
+    # DDP itself cannot be faked: its C++ Reducer checks and buckets real storage. One DDP
+    # replica holds exactly what one device holds at batch / W (its gradients are views of
+    # the buckets), so that is what is traced for it.
+    module = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = MemoryTracer(model, optimizer, device, start=1, steps=1)
+    if fsdp:
+        trace_fsdp_memory(tracer, model)
+    # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy
+    amp = p.dtype == "bf16" and not (fsdp and p.strategy != "2d")
+    seqs = p.batch // p.dp
+    loss_ctx = functools.partial(__import__("contextlib").nullcontext)
+    if p.strategy in ("tp", "2d"):
+        from torch.distributed.tensor.parallel import loss_parallel
+        loss_ctx = loss_parallel
+    for step in range(2):
+        with tracer.record(step):
+            x = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
+            y = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
+            with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                logits = module(x)
+            with loss_ctx():
+                loss = F.cross_entropy(logits.flatten(0, 1).float() if amp else logits.flatten(0, 1), y.flatten())
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=p.strategy != "ddp")
+    r = tracer.result
+    state = r["before_optimizer"] or r["peak_by_category"]
+    return {**{c: state[c] for c in CATEGORIES[:3]}, "activations": r["peak_by_category"]["activations"],
+            "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"]}
+
+
+# ---- output -------------------------------------------------------------------------------------
+UNIT = [GiB, "GiB"]
+
+
+def gib(n: float) -> str:
+    return f"{n / UNIT[0]:,.2f}"
+
+
+def _unit(peak: float):
+    UNIT[:] = [GiB, "GiB"] if peak >= GiB / 4 else [2**20, "MiB"]
+
+
+def print_one(p: Plan, gpu_mem: float, traced: dict | None):
+    est = worst_rank(p)
+    _unit(est["peak"])
+    print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
+          f"AC {p.ac}; rank {est['rank']}, {UNIT[1]}")
+    rows = [(c, est[c], traced and traced[c]) for c in CATEGORIES]
+    rows += [(k, v, None) for k, v in est["transient"].items()]
+    if traced:
+        rows.append(("other (traced: temporaries)", None, traced["other"]))
+    rows.append(("peak", est["peak"], traced and traced["peak"]))
+    w = max(len(r[0]) for r in rows)
+    print(f"  {'':<{w}}  {'formula':>10}" + (f"  {'trace':>10}  {'trace/formula':>13}" if traced else ""))
+    for name, f, t in rows:
+        line = f"  {name:<{w}}  {gib(f) if f is not None else '':>10}"
+        if traced:
+            line += f"  {gib(t) if t is not None else '':>10}"
+            line += f"  {t / f:>13.3f}" if (t is not None and f) else ""
+        print(line)
+    fits = est["peak"] <= gpu_mem * GiB
+    print(f"  {'fits' if fits else 'does NOT fit'} in {gpu_mem:g} GiB per GPU (formula peak {fmt_bytes(est['peak'])}"
+          + (f", traced peak {fmt_bytes(traced['peak'])}" if traced else "") + ")")
+    sent = sum(v for k, v in est["comm"].items() if k != "recv")
+    if est["comm"]:
+        print("  sent per step per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est["comm"].items())
+              + f" (total {fmt_bytes(sent)})")
+
+
+def print_table(ps: list[Plan], gpu_mem: float, traced: dict):
+    p0, pn = ps[0], ps[-1]
+    _unit(worst_rank(p0)["peak"])
+    print(f"model: {p0.cfg.n_layers} layers, dim {p0.cfg.dim}, {_n_params(p0) / 1e9:.3f}B parameters; global batch "
+          f"{pn.batch} x {p0.seq_len} tokens on {pn.world} GPUs ({p0.batch} on one), {p0.dtype}, AC {p0.ac}; "
+          f"{UNIT[1]} per GPU on the fullest rank; fits = peak <= {gpu_mem:g} GiB")
+    head = "| strategy | parameters | gradients | AdamW state | activations | transient | peak | fits | sent/step/rank |"
+    if traced:
+        head += " traced peak |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for p in ps:
+        e = worst_rank(p)
+        sent = sum(v for k, v in e["comm"].items() if k != "recv")
+        line = (f"| {label(p)} | {gib(e['parameters'])} | {gib(e['gradients'])} | {gib(e['optimizer state'])} | "
+                f"{gib(e['activations'])} | {gib(sum(e['transient'].values()))} | {gib(e['peak'])} | "
+                f"{'yes' if e['peak'] <= gpu_mem * GiB else 'no'} | {fmt_bytes(sent)} |")
+        if traced:
+            t = traced.get(id(p))
+            line += f" {gib(t['peak']) if isinstance(t, dict) else t} |"
+        print(line)
+
+
+def _n_params(p: Plan) -> int:
+    from common.model import count_params
+    return count_params(p.cfg)
+
+
+@main_guard
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    check(args)
+    ps = plans(args)
+    if not ps:
+        raise UserError(f"--batch {args.batch} does not split over the data-parallel ranks; use a multiple of "
+                        f"{args.world_size}.")
+    for p in ps:
+        if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
+            raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
+                            + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
+                            + "; use a multiple of that.")
+    if len(ps) == 1 and args.strategy != "all":
+        traced = None
+        if args.trace:
+            t0 = time.perf_counter()
+            traced = trace(ps[0])
+            print(f"(traced rank 0 under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
+        print_one(ps[0], args.gpu_mem, traced)
+        return
+    traced = {}
+    if args.trace:
+        for p in ps:
+            if p.strategy in TRACEABLE and p.pp == 1:
+                traced[id(p)] = trace(p)
+            else:
+                traced[id(p)] = "not traced (PP)"
+    print_table(ps, args.gpu_mem, traced)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""The memory and communication model of every strategy, in one place.
+
+Per rank, for our Llama model (common/model.py) trained with AdamW:
+
+  model state     parameters 4 bytes/param, gradients 4, AdamW's two moments 8 (+ a 4-byte
+                  step counter per parameter tensor), of the parameters this rank holds;
+  activations     what autograd keeps from forward for backward (below), x tokens per rank;
+  communication   logical bytes per optimizer step, by collective.
+
+Which parameters a rank holds is a product of three splits (torchtitan's order: pipeline
+stage, then tensor parallel, then data parallel over what is left):
+- PP: its stage's layers (``stage_layers``), the embedding on the first stage, the final
+  norm and the output on the last;
+- TP: 1/tp of each projection (Megatron's column/row split), norms replicated;
+- DP: all of it (single, DDP), all but 1/dp of AdamW's state (ZeRO-1), or a dim-0 chunk of
+  each tensor, padded to ceil(rows/dp) rows (FSDP ZeRO-2/3, HSDP over its shard group).
+
+Activations. Counted from what autograd saves in our block (checked with
+``torch.autograd.graph.saved_tensors_hooks`` and against the memory tracer), per token
+and per layer, d = dim, f = ffn_dim, h = heads (GQA's k/v are repeated to h heads before
+attention, and the repeated copies are what attention saves):
+
+  fp32, no AC   4 x (10d + 4f + h + 2) bytes: the block input, each RMSNorm's normalised
+                x and its output (3d, twice), q, k, v and attention's output (4d), the
+                residual after attention (d), the MLP's w1, silu, w3 and product (4f),
+                attention's log-sum-exp (h) and the two norms' 1/rms (2).
+                RoPE saves nothing (its tables need no gradient).
+  bf16 (AMP)    34d + 8f + 4h + 8 bytes under torch.autocast: the residual stream and the
+                norms stay fp32 (the block input, normalised x, residual: 4 x 4d), each
+                projection saves its own bf16 copy of its input (autocast does not cache
+                activation casts: 3 x 2d for q/k/v, 2 x 2d for w1/w3), q/k/v/out 4 x 2d,
+                the MLP 4 x 2f, lse 4h; plus, per step, a bf16 copy of every weight
+                matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables
+                cast per layer.
+  full AC       the block input only: 4d (fp32 residual stream, also under autocast);
+                backward recomputes one block at a time (a transient, not an activation).
+
+Outside the blocks: the input batch (x and y, int64: 16 bytes/token), the final norm
+(12d + 4 bytes in fp32), the logits and cross entropy's log-probabilities (4V + 4V; the
+training loop holds ``logits`` until backward). Tensor parallelism divides what is sharded
+(heads, MLP units, vocabulary with loss parallelism) by tp; sequence parallelism also
+divides the norms' share. Pipeline stages keep the activations of the micro-batches in
+flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
+
+The measured band (tests/test_estimate.py, CPU): fp32 within 1% of the tracer's
+activations for the debug and small presets, full AC within 2%, bf16 autocast within 5%.
+The bf16 formula is autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no
+autocast) saves less (no weight copies, one input cast): there it is an upper bound.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from common.model import ModelConfig, Transformer
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
+DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
+STRATEGIES = DP_STRATEGIES + ("tp", "pp", "2d")
+ALIASES = {"fsdp": "fsdp_zero3", "zero3": "fsdp_zero3", "zero2": "fsdp_zero2", "hsdp_zero3": "hsdp",
+           "hsdp_zero2": "hsdp"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+COLWISE = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
+           "feed_forward.w3.weight")
+ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+# ---- shapes and splits -----------------------------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def _shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return dict(_shapes(cfg))
+
+
+def _rows(shape) -> tuple[int, int]:
+    return shape[0], math.prod(shape[1:])
+
+
+def shard_numel(shape, w: int, rank: int) -> int:
+    """Elements of rank's chunk of a parameter sharded in w along dim 0 (torch.chunk)."""
+    rows, rest = _rows(shape)
+    chunk = math.ceil(rows / w)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
+def padded_shard_numel(shape, w: int) -> int:
+    rows, rest = _rows(shape)
+    return math.ceil(rows / w) * rest
+
+
+def is_root(name: str) -> bool:
+    return not name.startswith("layers.")
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The layer indices each pipeline stage owns: contiguous, sizes differing by at most one.
+
+    When ``n_layers`` does not divide, the *last* ``n_layers % n_stages`` stages get one
+    layer more. Why the last: under 1F1B stage s keeps up to (stages - s) micro-batches of
+    activations alive, the first stage the most and the last only one, so extra layers
+    cost least memory at the end. (The last stage also runs the output projection and the
+    loss: cheap with our 256-byte vocabulary, worth about two layers with a 128K one, where
+    you would give it fewer layers instead.)
+    """
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+
+
+def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int) -> dict[str, tuple[int, ...]]:
+    """The parameters pipeline stage ``stage`` holds (build_stage's pruning, by name)."""
+    mine = {f"layers.{i}." for i in stage_layers(cfg.n_layers, n_stages)[stage]}
+    keep = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.startswith("layers."):
+            ok = name[: name.index(".", 7) + 1] in mine
+        elif name.startswith("tok_embeddings."):
+            ok = stage == 0
+        else:  # norm, output
+            ok = stage == n_stages - 1
+        if ok:
+            keep[name] = shape
+    return keep
+
+
+def tp_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's local shape under common/model_parallel.py:apply_tp (even splits)."""
+    if tp == 1:
+        return dict(shapes)
+    out = {}
+    for name, (a, *rest) in shapes.items():
+        if name.endswith(COLWISE) or name in ("output.weight", "tok_embeddings.weight"):
+            out[name] = (a // tp, *rest)  # split by output rows (the embedding: by vocabulary)
+        elif name.endswith(ROWWISE):
+            out[name] = (a, rest[0] // tp)
+        else:
+            out[name] = (a, *rest)  # norms: replicated
+    return out
+
+
+# ---- model state ----------------------------------------------------------------------------
+def _state(dp_kind: str, shapes: dict, dp: int, rank: int, adam_step_bytes: int = 4) -> dict[str, int]:
+    n, t = sum(math.prod(s) for s in shapes.values()), len(shapes)
+    if dp_kind in ("single", "ddp"):
+        return {"parameters": 4 * n, "gradients": 4 * n, "optimizer state": 8 * n + adam_step_bytes * t}
+    if dp_kind == "zero1":
+        return {"parameters": 4 * n, "gradients": 4 * n,
+                "optimizer state": round((8 * n + adam_step_bytes * t) / dp)}
+    padded = sum(padded_shard_numel(sh, dp) for sh in shapes.values())
+    local = sum(shard_numel(sh, dp, rank) for sh in shapes.values())
+    return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer state": 8 * local + adam_step_bytes * t}
+
+
+def model_state(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shard: int | None = None,
+                adam_step_bytes: int = 4) -> dict[str, int]:
+    """Predicted bytes of parameters, gradients and AdamW state on one rank at the
+    optimizer step, for the data-parallel family (``shard``: the FSDP shard group size,
+    the world size by default; ZeRO-1's partition is ZeroRedundancyOptimizer's own, so
+    its state is the average)."""
+    strategy = ALIASES.get(strategy, strategy)
+    s = shard or world
+    kind = "fsdp" if strategy.startswith(("fsdp", "hsdp")) else strategy
+    return _state(kind, param_shapes(cfg), world if kind == "zero1" else s,
+                  rank % s, adam_step_bytes)  # HSDP: ranks are (replicate, shard), shard index fastest
+
+
+def unsharded_bytes(cfg: ModelConfig, world: int = 1, bytes_per_param: int = 4) -> dict[str, int]:
+    """Gathered size of each FSDP unit, 'root' and one 'block' (padded chunks x world)."""
+    shapes = param_shapes(cfg)
+    root = sum(padded_shard_numel(s, world) * world for k, s in shapes.items() if is_root(k))
+    block = sum(padded_shard_numel(s, world) * world for k, s in shapes.items() if k.startswith("layers.0."))
+    return {"root": bytes_per_param * root, "block": bytes_per_param * block}
+
+
+# ---- communication ---------------------------------------------------------------------------
+def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_bytes: int, accum: int):
+    n = sum(math.prod(s) for s in shapes.values())
+    if strategy in ("single",) or world == 1:
+        return {}
+    if strategy == "ddp":
+        return {"all_reduce": 4 * n}
+    if strategy == "zero1":
+        return {"all_reduce": 4 * n, "broadcast": 4 * n}
+    s = shard or world
+    if s == 1:  # nothing sharded: HSDP degenerates into DDP
+        return {"all_reduce": 4 * n}
+    gathered = {k: padded_shard_numel(sh, s) * s for k, sh in shapes.items()}  # padded full size
+    full = sum(gathered.values())
+    no_root = sum(v for k, v in gathered.items() if not is_root(k))
+    out = {"all_gather": accum * param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
+           "reduce_scatter": 4 * full}
+    if strategy.startswith("hsdp") and world > s:
+        out["all_reduce"] = 4 * full // s  # each rank's reduced shard, across the replicas
+    return out
+
+
+def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = None,
+               param_bytes: int = 4, accum: int = 1) -> dict[str, int]:
+    """Logical bytes per rank per optimizer step, by collective (``param_bytes`` 2 for
+    bf16 all-gathers; gradients are always reduced in fp32). With ``accum`` micro-batches
+    the gradients are still reduced once, but FSDP gathers the parameters for each."""
+    strategy = ALIASES.get(strategy, strategy)
+    if strategy == "hsdp":
+        strategy = "hsdp_zero3"
+    return _dp_comm(strategy, param_shapes(cfg), world, shard, param_bytes, accum)
+
+
+def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
+                      bytes_per_el: int = 4) -> dict[str, int]:
+    """The activation traffic of common/model_parallel.py:apply_tp, logical bytes per step.
+
+    Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
+    forward (after wo, after w2) and 2 in backward (the input gradients of the q/k/v and
+    w1/w3 groups). Outside the blocks: the embedding's output in forward and the output
+    projection's input gradient in backward. So 4L + 2 all-reduces.
+
+    With sequence parallelism each of them becomes a reduce-scatter on one side and an
+    all-gather on the other (forward: reduce-scatter after wo/w2 and the embedding,
+    all-gather before attention, the MLP and the output; backward: the mirror image):
+    4L + 2 of each, and since a ring all-reduce *is* a reduce-scatter followed by an
+    all-gather, exactly the same bytes on the wire.
+
+    Small extras not counted here: with SP the norm gains' gradients (all-reduced, 4 bytes
+    x dim each); loss parallelism's per-token statistics (the byte counter does not see
+    collectives issued inside DTensor's own operator implementations).
+    """
+    act = batch * seq_len * cfg.dim * bytes_per_el
+    n = 4 * cfg.n_layers + 2
+    if sequence_parallel:
+        return {"all_gather": n * act, "reduce_scatter": n * act}
+    return {"all_reduce": n * act}
+
+
+def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank: int, loops: int = 1,
+                      bytes_per_el: int = 4) -> dict[str, int]:
+    """Point-to-point bytes of pipeline rank ``rank`` per step: the whole batch crosses each
+    stage boundary once forward (activations) and once backward (their gradients). A rank
+    with ``loops`` stages (interleaved) has that many boundaries each way, less the ends."""
+    act = batch * seq_len * cfg.dim * bytes_per_el
+    boundaries = (loops - (rank == pp - 1)) + (loops - (rank == 0))
+    return {"send": boundaries * act, "recv": boundaries * act} if pp > 1 else {}
+
+
+# ---- activations ----------------------------------------------------------------------------
+def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", ac: str = "none", tp: int = 1,
+                           sequence_parallel: bool = False) -> int:
+    """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes)."""
+    d, f, h = cfg.dim, cfg.ffn_dim, cfg.n_heads
+    if ac == "full":
+        return 4 * d * tokens // (tp if sequence_parallel else 1)
+    if dtype == "fp32":
+        replicated, sharded = 4 * (6 * d + 2), 4 * (4 * d + h + 4 * f)
+        if sequence_parallel:  # x, 1/rms and normalised x split along the sequence; the norm's output gathered
+            replicated, sharded = 4 * 2 * d, sharded + 4 * (4 * d + 2)
+    else:  # torch.autocast bf16
+        replicated, sharded = 30 * d + 8, 8 * d + 4 * h + 8 * f
+        if sequence_parallel:
+            replicated, sharded = 10 * d, sharded + 20 * d + 8
+    return tokens * (replicated + sharded // tp)
+
+
+def head_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp: int = 1,
+                          loss_parallel: bool = True, sequence_parallel: bool = False) -> int:
+    """The final norm, the logits and cross entropy's log-probabilities (last stage only)."""
+    d, v = cfg.dim, cfg.vocab_size // (tp if loss_parallel else 1)
+    norm = 12 * d + 4 if dtype == "fp32" else 10 * d + 4
+    if sequence_parallel:
+        norm = (norm - 4 * d) // tp + 4 * d
+    logits = (4 if dtype == "fp32" else 2) * v
+    return tokens * (norm + logits + 4 * v)
+
+
+def amp_weight_copies(shapes: dict) -> int:
+    """autocast's bf16 copy of each weight matrix, saved by the matmuls that use it."""
+    return sum(2 * math.prod(s) for k, s in shapes.items() if k.endswith("weight") and "norm" not in k
+               and not k.startswith("tok_embeddings"))
+
+
+# ---- a whole configuration ---------------------------------------------------------------------
+@dataclass
+class Plan:
+    """One training configuration: model, strategy, degrees, batch (global, in sequences)."""
+    cfg: ModelConfig
+    strategy: str = "single"
+    world: int = 1
+    tp: int = 1
+    pp: int = 1
+    shard: int | None = None          # HSDP's shard group size
+    batch: int = 8
+    seq_len: int = 256
+    dtype: str = "fp32"
+    ac: str = "none"
+    accum: int = 1
+    microbatches: int | None = None   # pipeline micro-batches (default: pp)
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    loss_parallel: bool = True
+    notes: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.strategy = ALIASES.get(self.strategy, self.strategy)
+        if self.strategy == "tp" and self.tp == 1:
+            self.tp = self.world
+        if self.strategy == "pp" and self.pp == 1:
+            self.pp = self.world
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def dp_kind(self) -> str:
+        """How the data-parallel dimension treats the model state."""
+        if self.strategy == "2d":
+            return "fsdp_zero3"
+        if self.strategy in ("tp", "pp"):
+            return "ddp" if self.dp > 1 else "single"
+        return self.strategy
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp stage, dp index, tp index): tp varies fastest, then dp (train_2d's mesh)."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+
+def _loops(plan: Plan) -> int:
+    return 2 if plan.schedule == "interleaved1f1b" and plan.pp > 1 else 1
+
+
+def rank_shapes(plan: Plan, rank: int) -> dict[str, tuple[int, ...]]:
+    stage, _, _ = plan.coords(rank)
+    loops = _loops(plan)
+    shapes = {}
+    for k in range(loops):
+        shapes |= stage_shapes(plan.cfg, stage + k * plan.pp, plan.pp * loops)
+    return tp_shapes(shapes, plan.tp)
+
+
+def predict(plan: Plan, rank: int = 0) -> dict:
+    """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
+    cfg, kind = plan.cfg, plan.dp_kind
+    stage, dp_index, _ = plan.coords(rank)
+    shapes = rank_shapes(plan, rank)
+    fsdp = kind.startswith(("fsdp", "hsdp"))
+    shard = (plan.shard or plan.dp) if fsdp else plan.dp
+    out = _state("fsdp" if fsdp else kind, shapes, shard, dp_index % shard if fsdp else dp_index)
+
+    # activations: one micro-batch's tokens per rank, times the micro-batches kept alive
+    loops = _loops(plan)
+    m = plan.microbatches or plan.pp
+    seqs = plan.batch // plan.dp // plan.accum // (m if plan.pp > 1 else 1)
+    tokens = seqs * plan.seq_len
+    in_flight = 1 if plan.pp == 1 else m if plan.schedule == "gpipe" else min(m, plan.pp - stage + (loops - 1) * plan.pp)
+    n_layers = sum(1 for k in shapes if k.endswith("attention_norm.weight"))
+    act = n_layers * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
+    if "output.weight" in shapes:
+        act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
+    act *= in_flight
+    act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
+    if plan.dtype == "bf16":
+        if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
+            act += amp_weight_copies(shapes)
+        if plan.ac != "full":
+            act += n_layers * in_flight * 4 * plan.seq_len * cfg.head_dim  # RoPE tables cast to bf16
+    out["activations"] = act
+
+    # what comes and goes during the step, on top of the above
+    transient = {}
+    block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == str(
+        min(int(x.split(".")[1]) for x in shapes if x.startswith("layers.")))} if n_layers else {}
+    block_n = sum(math.prod(s) for s in block.values())
+    if fsdp and plan.dp > 1:
+        pbytes = DTYPE_BYTES[plan.dtype]
+        if kind.endswith("zero2"):
+            gathered = sum(math.prod(s) for s in shapes.values())
+        else:  # the root stays gathered; a block, and the next one prefetched
+            gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
+        transient["gathered parameters (FSDP)"] = pbytes * gathered
+        transient["unsharded gradients (FSDP)"] = 4 * 2 * block_n
+    if plan.ac == "full" and n_layers:
+        transient["one block recomputed (AC)"] = layer_activation_bytes(
+            cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel)
+    out["transient"] = transient
+    out["peak"] = sum(out[c] for c in CATEGORIES) + sum(transient.values())
+
+    comm = {}
+    if plan.dp > 1:
+        dp_strategy = {"single": "ddp", "hsdp": "hsdp_zero3"}.get(kind, kind)
+        comm |= _dp_comm(dp_strategy, shapes, plan.dp, plan.shard if kind == "hsdp" else None,
+                         DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum)
+    if plan.tp > 1:
+        stage_cfg = replace(cfg, n_layers=n_layers)
+        for k, v in tp_bytes_per_step(stage_cfg, plan.batch // plan.dp, plan.seq_len, plan.sequence_parallel,
+                                      DTYPE_BYTES[plan.dtype]).items():
+            comm[k] = comm.get(k, 0) + v
+    if plan.pp > 1:
+        comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops,
+                                  DTYPE_BYTES[plan.dtype])
+    out["comm"] = comm
+    return out
+
+
+def predict_all(plan: Plan) -> list[dict]:
+    return [predict(plan, r) for r in range(plan.world)]
+
+
+# ---- prediction beside measurement, at the end of a training run -------------------------------
+def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
+    """Print 'predicted vs measured' per category on rank 0; return it for summary.json.
+
+    ``memory``: tracer.save's per-rank results (None when not traced: prediction only).
+    Model state is compared when the optimizer step begins (everything is allocated and
+    nothing transient is left), activations at their peak.
+    """
+    if not ctx.is_main:
+        return None
+    from common.memory import fmt_bytes
+    plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
+                seq_len=args.seq_len, **plan_kwargs)
+    ranks = [m["rank"] for m in memory] if memory else [0]
+    out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "per_rank": []}
+    print(f"  predicted (common/theory.py) vs measured, {plan.strategy}:", flush=True)
+    for r in ranks:
+        p = predict(plan, r)
+        m = next((x for x in memory or [] if x["rank"] == r), None)
+        row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "comm": p["comm"]}
+        cells = []
+        for c in CATEGORIES:
+            if m is None:
+                cells.append(f"{c} {fmt_bytes(p[c])}")
+                continue
+            seen = (m["before_optimizer"] or m["peak_by_category"])[c] if c != "activations" \
+                else m["peak_by_category"][c]
+            row[f"measured {c}"] = seen
+            cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
+        out["per_rank"].append(row)
+        who = f"rank {r}" if len(ranks) > 1 else "one rank"
+        if r in (ranks[0], ranks[-1]) or len(ranks) <= 4:
+            print(f"    {who:<8} " + ", ".join(cells), flush=True)
+    return out

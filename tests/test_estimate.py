@@ -1,0 +1,106 @@
+"""common/theory.py and common/estimate.py: the formulas by hand, against the memory tracer
+(on real CPU tensors and under FakeTensorMode with a fake process group), and bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common import theory
+from common.estimate import main as estimate_main, trace
+from common.model import count_params, get_config
+from conftest import ROOT
+
+DEBUG, SMALL = get_config("debug"), get_config("small")
+N, T = count_params(DEBUG), 9 * DEBUG.n_layers + 3  # parameters, parameter tensors
+
+
+@pytest.fixture(scope="module")
+def step1(tmp_path_factory):
+    """A real step 1 run (started first; its summary.json holds prediction and measurement)."""
+    out = tmp_path_factory.mktemp("step1")
+    proc = subprocess.Popen([sys.executable, "step1_single_gpu/train.py", "--model", "debug", "--steps", "2",
+                             "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--data", "synthetic",
+                             "--eval-batches", "0", "--trace-steps", "1", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc, out
+    proc.kill()
+
+
+def test_formulas_equal_hand_computed_bytes(step1):
+    p = theory.predict(theory.Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
+    assert p["parameters"] == p["gradients"] == 4 * N and p["optimizer state"] == 8 * N + 4 * T
+    # 2 sequences x 32 tokens per rank; per token and layer 4(10d + 4f + h + 2) bytes; the head
+    # 12d + 4 + 4V (logits) + 4V (log-probs); the batch's x and y, 16 bytes per token
+    d, f, h, v = 64, 192, 4, 256
+    assert p["activations"] == 64 * (4 * 4 * (10 * d + 4 * f + h + 2) + 12 * d + 4 + 8 * v + 16)
+    assert p["comm"] == {"all_reduce": 4 * N}
+    z3 = theory.predict(theory.Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
+    assert z3["parameters"] == 4 * N // 4 and z3["optimizer state"] == 8 * N // 4 + 4 * T  # debug splits evenly
+    ac = theory.predict(theory.Plan(DEBUG, "single", batch=2, seq_len=32, ac="full"))
+    assert ac["activations"] == 64 * (4 * 4 * d + 12 * d + 4 + 8 * v + 16)
+    # 8b on 4 x 80 GB: FSDP fits, DDP does not (16 bytes x 7B parameters alone is 104 GiB)
+    big = get_config("8b")
+    ddp = theory.predict(theory.Plan(big, "ddp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    fsdp = theory.predict(theory.Plan(big, "fsdp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    assert ddp["peak"] > 80 * 2**30 > fsdp["peak"]
+
+
+def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
+    proc, out = step1
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "predicted (common/theory.py) vs measured" in stdout
+    row = json.loads((out / "summary.json").read_text())["predicted"]["per_rank"][0]
+    for c in ("parameters", "gradients", "optimizer state"):
+        assert row[f"measured {c}"] == row[c], c  # exact
+    assert row["measured activations"] == pytest.approx(row["activations"], rel=0.01)
+
+
+@pytest.mark.parametrize("strategy,world,kw", [
+    ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}),
+    ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}),
+], ids=["single", "ddp", "fsdp", "tp", "single-ac", "single-bf16"])
+def test_trace_agrees_with_the_formula(strategy, world, kw):
+    for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
+        plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
+        f, t = theory.predict(plan), trace(plan)
+        for c in ("parameters", "optimizer state"):
+            assert t[c] == pytest.approx(f[c], rel=0.01), (cfg, c)
+        # TP: the vocabulary-split embedding's gradient is traced at twice its shard (documented)
+        assert t["gradients"] == pytest.approx(f["gradients"], rel=0.08 if strategy == "tp" else 0.01)
+        band = 0.05 if kw.get("dtype") == "bf16" else 0.02
+        assert t["activations"] == pytest.approx(f["activations"], rel=band), (cfg, kw)
+
+
+def test_cli_table_and_one_strategy(capsys):
+    estimate_main(["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80"])
+    table = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "| no |" in rows["ddp on 4"] and "| yes |" in rows["fsdp_zero3 on 4"]
+    estimate_main(["--model", "1b", "--strategy", "single", "--gpu-mem", "80", "--ac", "full"])
+    assert "fits in 80 GiB" in capsys.readouterr().out
+
+
+BAD = [
+    (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
+    (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by --tp 4 x --pp 1"),
+    (["--gpu-mem", "0"], "--gpu-mem must be a positive number of GiB (got 0)"),
+    (["--strategy", "pp", "--world-size", "2", "--trace", "--model", "debug", "--seq-len", "64"],
+     "--trace cannot run pp"),
+]
+
+
+@pytest.mark.parametrize("flags,expected", BAD, ids=[b[1][:20] for b in BAD])
+def test_bad_input_is_one_sentence_and_exit_2(flags, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        estimate_main(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_bad_input_exit_code_from_the_command_line():
+    r = subprocess.run([sys.executable, "-m", "common.estimate", "--strategy", "zero9"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --strategy")
