@@ -110,7 +110,10 @@ class Checkpointer:
     """
 
     def __init__(self, args, ctx, parts, scheduler=None, batches=None, parallel: dict | None = None):
-        self.args, self.ctx, self.parts = args, ctx, list(parts)
+        self.args, self.ctx = args, ctx
+        # A part may name several modules that share one optimizer (the two stages of an
+        # interleaved pipeline rank): DCP maps an optimizer's parameters through one module.
+        self.parts = [(_union(m) if isinstance(m, (list, tuple)) else m, o) for m, o in parts]
         self.scheduler, self.batches = scheduler, batches
         self.parallel = parallel or {"dp": ctx.world_size}
         self.folder = Path(args.out) / "checkpoints"
@@ -243,6 +246,29 @@ class Checkpointer:
             # A hard crash, as a dying node gives: no cleanup, no exception handling.
             print(f"[rank {self.ctx.rank}] --fail-at-step {step}: crashing on purpose", flush=True)
             os._exit(17)
+
+
+def _union(modules) -> torch.nn.Module:
+    """One module whose parameters are those of ``modules``, under their own names.
+
+    Pipeline stages keep the full model's names (``layers.5...``), and one rank's stages
+    own disjoint layers, so their children merge without a clash (ModuleDicts by key).
+    """
+    if len(modules) == 1:
+        return modules[0]
+    union = torch.nn.Module()
+    for m in modules:
+        for name, child in m.named_children():
+            if child is None:
+                continue
+            have = getattr(union, name, None)
+            if isinstance(child, torch.nn.ModuleDict) and isinstance(have, torch.nn.ModuleDict):
+                have.update(child)
+            elif have is None:
+                setattr(union, name, torch.nn.ModuleDict(child) if isinstance(child, torch.nn.ModuleDict) else child)
+            else:
+                raise ValueError(f"two stages of one rank both hold {name!r}")
+    return union
 
 
 def skip_nonfinite_step(optimizer, ctx, enabled: bool):
