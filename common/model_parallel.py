@@ -286,9 +286,17 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> di
     the CPU). Every rank must call this (it gathers each rank's timings).
     """
     rows = [r for r in metrics.rows[1:] if not r["traced"]] or metrics.rows
+    # Only the steps this process ran have timings (after --resume, rank 0's rows also hold
+    # the earlier steps, read back from metrics.jsonl, without them).
+    rows = [r for r in rows if r.get("pipeline_start") is not None]
     mine = [(r["step"], r["pipeline_start"], r["pipeline_end"], r["busy_s"]) for r in rows]
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
+    common = set.intersection(*({s[0] for s in steps} for steps in everyone))
+    everyone = [[s for s in steps if s[0] in common] for steps in everyone]
+    mine = everyone[ctx.rank]
+    if not mine:
+        return {"window_s": None, "per_rank": [], "formula": bubble_formula(schedule, pp, microbatches)}
     windows = [max(rank[i][2] for rank in everyone) - min(rank[i][1] for rank in everyone)
                for i in range(len(mine))]
     per_rank = []

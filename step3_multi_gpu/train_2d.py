@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common import cli, theory
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
@@ -39,7 +40,7 @@ def main():
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         require_launcher(ctx, "step3_multi_gpu/train_2d.py")
         if args.tp <= 0 or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")
@@ -49,8 +50,8 @@ def main():
         mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))
         corpus = load_corpus(args.data, seed=args.seed)
         # The data is split along dp only: the ranks of one TP group read the same samples.
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
-                               dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size,
+                       dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, seed=args.seed)
 
         # Tensor parallel first (inside the node), then FSDP over the result (across nodes).
         with torch.device("meta"):
@@ -61,13 +62,18 @@ def main():
         model.init_weights(args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # FSDP x TP shards are DTensors on a 2-D mesh; DCP reshards them to any other mesh.
+        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data, parallel={"dp": dp, "tp": args.tp})
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
         trace_fsdp_memory(tracer, model)  # FSDP's gathered weights count as parameters
         metrics = Metrics(args, ctx, optimizer, parallel={"dp": dp, "tp": args.tp})
         comm = StepComm()
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm.count(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
@@ -80,6 +86,7 @@ def main():
             # Each TP group's loss is the mean over its share of the batch; average over dp.
             metrics.log(step, global_loss(loss, mesh["dp"].get_group(), dp), traced=tracer.will_record(step))
             scheduler.step()
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         with loss_parallel():
             val_loss = evaluate(model, corpus.val, args, ctx.device)

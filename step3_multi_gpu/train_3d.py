@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from common import cli
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
@@ -45,7 +46,7 @@ def main():
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         require_launcher(ctx, "step3_multi_gpu/train_3d.py")
         if min(args.pp, args.dp, args.tp) <= 0:
             raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
@@ -57,8 +58,8 @@ def main():
         mesh = ctx.mesh((args.pp, args.dp, args.tp), ("pp", "dp", "tp"))
         pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
         corpus = load_corpus(args.data, seed=args.seed)
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
-                               dp_rank=dp_rank, dp_size=args.dp, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, dp_rank=dp_rank, dp_size=args.dp,
+                       seed=args.seed)
 
         def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
             apply_tp(stage_model, mesh["tp"], loss_parallel=False)
@@ -75,6 +76,13 @@ def main():
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # This rank's stages (two with interleaved1f1b) share one optimizer: one part. Their
+        # layers keep the full model's names, so the checkpoint does not depend on the split.
+        ckpt = Checkpointer(args, ctx, [(models, optimizer)], scheduler, data,
+                            parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages})
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
@@ -82,7 +90,7 @@ def main():
             trace_fsdp_memory(tracer, m)  # FSDP's gathered weights count as parameters
         metrics = Metrics(args, ctx, optimizer, parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp})
         comm = StepComm()
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm.count(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
@@ -95,6 +103,9 @@ def main():
                                mesh["dp"].get_group(), args.dp)
             metrics.log(step, loss, traced=tracer.will_record(step))
             scheduler.step()
+            # metrics.last_loss is the last stage's loss, broadcast along the pipeline: every
+            # rank checks and records the same value.
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, args.pp - 1,
                                      mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from common import cli, theory
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import main_guard
@@ -45,13 +46,13 @@ def main():
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default: 4)")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         require_launcher(ctx, "step3_multi_gpu/train_pp.py")
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
         corpus = load_corpus(args.data, seed=args.seed)
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         # This rank's stages: one (gpipe, 1f1b), or two for the interleaved schedule (stages
         # r and r + pp, so each micro-batch loops through the ranks twice).
@@ -63,13 +64,20 @@ def main():
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # This rank's stages (two with interleaved1f1b) share one optimizer: one part. Their
+        # layers keep the full model's names, so the checkpoint does not depend on the split.
+        ckpt = Checkpointer(args, ctx, [(models, optimizer)], scheduler, data,
+                            parallel={"pp": pp, "stages": n_stages})
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
 
         tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
                               start=args.trace_start, steps=args.trace_steps)
         metrics = Metrics(args, ctx, optimizer, parallel={"pp": pp})
         comm = StepComm()
         timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm.count(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
@@ -81,6 +89,9 @@ def main():
             metrics.log(step, pipeline_loss(losses, pp - 1, ctx.device), traced=tracer.will_record(step),
                         **timer.take())
             scheduler.step()
+            # metrics.last_loss is the last stage's loss, broadcast along the pipeline: every
+            # rank checks and records the same value.
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, pp - 1)
         memory = tracer.save(args.out, ctx, title=f"Pipeline parallel ({args.schedule}, {args.microbatches} "

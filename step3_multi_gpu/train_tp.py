@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common import cli, theory
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import main_guard
@@ -42,13 +43,13 @@ def main():
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         require_launcher(ctx, "step3_multi_gpu/train_tp.py")
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
         tp_mesh = ctx.mesh((ctx.world_size,), ("tp",))
         corpus = load_corpus(args.data, seed=args.seed)
         # Not data parallel: every rank reads the same whole batch.
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         # Build on meta, split, then allocate: no rank ever holds a full weight matrix.
         with torch.device("meta"):
@@ -58,6 +59,12 @@ def main():
         model.init_weights(args.seed)  # each rank keeps its shard of the same full weights
         optimizer = adamw(model.parameters(), args)  # AdamW state is sharded like the weights
         scheduler = lr_schedule(optimizer, args)
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # Each rank saves its shard of every weight (a DTensor) by parameter name: a
+        # checkpoint from 4 TP ranks loads on 2, or into DDP / FSDP, and back.
+        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data, parallel={"tp": ctx.world_size})
+        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        batches = iter(data)
         # The logits are split over the vocabulary; cross entropy (and its backward) must
         # run under loss_parallel() to work on the shards.
         loss_context = loss_parallel if args.loss_parallel else contextlib.nullcontext
@@ -66,7 +73,7 @@ def main():
                               start=args.trace_start, steps=args.trace_steps)
         metrics = Metrics(args, ctx, optimizer, parallel={"tp": ctx.world_size})
         comm = StepComm()
-        for step in metrics.progress():
+        for step in metrics.progress(start):
             with tracer.record(step), comm.count(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
@@ -78,6 +85,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             metrics.log(step, global_loss(loss), traced=tracer.will_record(step))
             scheduler.step()
+            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
 
         with loss_context():
             val_loss = evaluate(model, corpus.val, args, ctx.device)

@@ -2,7 +2,7 @@
 
     torchrun [--max-restarts N] --nproc-per-node W tests/resume_driver.py DIR PLAN
 
-PLAN is JSON, {name: {"script": "step1"|"ddp"|"fsdp", "flags": [...], "from": [run, step],
+PLAN is JSON, {name: {"script": "step1"|"ddp"|"fsdp"|"tp"|"pp", "flags": [...], "from": [run, step],
 "damage": "truncate"|"meta"}},
 run in order on one process group (tests/dp_driver.py's ``run``: each script's real
 main()). Each run writes into DIR/<name>; "from" first copies that run's checkpoint
@@ -32,6 +32,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_driver  # noqa: E402  (puts the repository on sys.path, runs scripts on our group)
 from common.distributed import _restart_store  # noqa: E402
+
+# The model-parallel scripts too (tests/test_resume_mp.py); the driver owns their group.
+dp_driver.SCRIPTS.update({"tp": ("step3_multi_gpu/train_tp.py", "Transformer"),
+                          "pp": ("step3_multi_gpu/train_pp.py", "build_stage")})
 
 
 class Tee(io.StringIO):
