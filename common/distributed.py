@@ -116,6 +116,11 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     elif (store := _restart_store(timedelta(seconds=timeout_s))) is not None:
         kwargs.update(store=store, rank=rank, world_size=world)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    if launched:
+        # Every rank finishes connecting before any may fail a check and exit: a rank that
+        # leaves while another is still inside init_process_group turns a one-line error
+        # into a gloo connection traceback on the other rank.
+        dist.barrier()
     ctx = Dist(rank, world, local_rank, dev, backend, launched)
     try:
         yield ctx

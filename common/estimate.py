@@ -155,12 +155,13 @@ def _mesh(p: Plan):
 
 
 def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
-    from common.parallel import apply_activation_checkpointing, apply_fsdp, trace_fsdp_memory
+    from common.memory_savers import apply_ac
+    from common.parallel import apply_fsdp, trace_fsdp_memory
 
     device = torch.device("cpu")
     model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
     if p.ac == "full":
-        apply_activation_checkpointing(model)
+        apply_ac(model, "full")
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
     if p.strategy in ("tp", "2d"):
         from common.model_parallel import apply_tp
