@@ -78,7 +78,7 @@ CHAPTER3A: list[Run] = [
 # with like. 8 layers: the interleaved schedule needs two stages per rank. They run in one
 # torchrun job (common/multirun.py): on 2 cores each launch of 4 ranks costs ~10 s.
 _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
-       "--eval-batches", "1", "--trace-start", "1", "--trace-steps", "2"]
+       "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "2"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
 PLANS: dict[str, list[tuple[str, str, list[str]]]] = {"03_strategies": [
     ("tp", _TP, _3B),
@@ -325,7 +325,9 @@ def main(argv=None):
     # a run is redone if one of its figures, or its name (runs that only feed a table), matches --only
     todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)
             or (args.only and r.name.startswith(args.only))]
-    for run in todo:
+    # the overall bar: which run of how many (each run shows its own bar underneath)
+    for i, run in enumerate(todo, 1):
+        print(f"[figures {i}/{len(todo)}] {run.name}", flush=True)
         out = run_dir(run.name, suffix)
         launch(run, out, args.device)
         for fig, src in run.figures.items():

@@ -27,6 +27,9 @@ PLAN = {
     "tp": {"script": "tp", "flags": B + C},
     # the driver's restart, without a crash: copy step 1's checkpoint and --resume there
     "tp_resumed": {"script": "tp", "flags": R, "from": ["tp", 1]},
+    # the 2-D script on 2 ranks (dp 1 x tp 2: its FSDP dimension has nothing to shard)
+    "2d": {"script": "2d", "flags": B + C + ["--tp", "2"]},
+    "2d_resumed": {"script": "2d", "flags": R + ["--tp", "2"], "from": ["2d", 1]},
     "pp": {"script": "pp", "flags": B + C + PP},
     # rank 1 holds the last stage, the one that computes the loss
     "pp_fault": {"script": "pp", "flags": R + PP + ["--fail-at-step", "2", "--fail-rank", "1"]},
@@ -65,6 +68,13 @@ def test_tensor_parallel_resumes_exactly(job):
     plain, resumed = job["tp"], job["tp_resumed"]
     assert list(plain["losses"]) == STEPS
     assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
+    assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+
+
+def test_two_d_script_resumes_exactly(job):
+    plain, resumed = job["2d"], job["2d_resumed"]
+    assert list(plain["losses"]) == STEPS
+    assert list(resumed["losses"]) == ["2", "3"]
     assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
 
 
