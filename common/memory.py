@@ -138,22 +138,19 @@ class MemoryTracer:
         if step == self.start + self.steps - 1:
             self._end()
 
-    def tag(self, tensors, category: str):
+    def tag(self, tensors, category: str, follow_resizes: bool = False):
         """Put the storages of ``tensors`` in ``category`` (while recording)."""
         if self.active:
             for t in _plain_tensors(tensors):
                 rec = self._track(t)
                 if rec is not None:
                     rec.category = category
+                    if follow_resizes:
+                        self._watched[self._key(t)] = (weakref.ref(t.untyped_storage()), category)
 
     def watch(self, tensors, category: str):
         """Like ``tag``, and keep following the storages' size (see the class notes)."""
-        if self.active:
-            for t in _plain_tensors(tensors):
-                rec = self._track(t)
-                if rec is not None:
-                    rec.category = category
-                    self._watched[self._key(t)] = (weakref.ref(t.untyped_storage()), category)
+        self.tag(tensors, category, follow_resizes=True)
 
     # ---- recording ----------------------------------------------------------------------
     def _begin(self):
