@@ -81,6 +81,11 @@ def _read(files: list[Path], what: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+# The stdlib does not change while a process runs: runs that share a process (common/multirun.py)
+# read it once. A path is read again every time, since its files may change in between.
+_CACHE: dict[str, Corpus] = {}
+
+
 def load_corpus(spec: str, seed: int = 0) -> Corpus:
     """``stdlib`` (default), ``synthetic`` (seeded random bytes), or a path to text."""
     if spec == "synthetic":
@@ -88,6 +93,8 @@ def load_corpus(spec: str, seed: int = 0) -> Corpus:
         tokens = torch.randint(0, 256, (SYNTHETIC_TOKENS,), generator=g, dtype=torch.uint8)
         cut = int(len(tokens) * (1 - 1 / VAL_EVERY))
         return Corpus("synthetic", tokens[:cut], tokens[cut:], [], [])
+    if spec == "stdlib" and "stdlib" in _CACHE:
+        return _CACHE["stdlib"]
     root, files = _stdlib_files() if spec == "stdlib" else _text_files(Path(spec))
     if not files:
         raise UserError(f"--data {spec}: found no files to read; give a text file or a folder of them.")
@@ -99,7 +106,10 @@ def load_corpus(spec: str, seed: int = 0) -> Corpus:
         cut = int(len(train) * (1 - 1 / VAL_EVERY))
         train, val = train[:cut], train[cut:]
     rel = lambda ps: [p.relative_to(root).as_posix() for p in ps]  # noqa: E731
-    return Corpus(spec, train, val, rel(train_files), rel(val_files))
+    corpus = Corpus(spec, train, val, rel(train_files), rel(val_files))
+    if spec == "stdlib":
+        _CACHE["stdlib"] = corpus
+    return corpus
 
 
 class TokenWindows(Dataset):

@@ -97,7 +97,7 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
     return "\n".join(lines)
 
 
-def write_chapter3a_table(suffix: str = "", only: str = "") -> dict[str, str]:
+def write_chapter3a_table(suffix: str = "") -> dict[str, str]:
     """A POST_STEPS entry of common/figures.py: figs/03a_table.md, and the README block."""
     from pathlib import Path
 

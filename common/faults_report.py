@@ -29,7 +29,7 @@ def checkpoint_row(run: Path) -> dict:
             "total_bytes": total, "n_params": n, "formula": 12 * n}
 
 
-def write_faults_table(suffix: str = "", only: str = "", runs=("05_ddp4", "05_zero1_4", "05_fsdp4")) -> dict[str, str]:
+def write_faults_table(suffix: str = "", runs=("05_ddp4", "05_zero1_4", "05_fsdp4")) -> dict[str, str]:
     rows = [checkpoint_row(ROOT / "runs" / "figs" / (name + suffix)) for name in runs]
     lines = ["| run | ranks | files in the checkpoint | bytes per rank's .distcp file | all .distcp files | "
              "12N (4N weights + 8N AdamW) |", "|---|---|---|---|---|---|"]

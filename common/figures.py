@@ -4,14 +4,21 @@ Each chapter lists the runs it needs (a script and its flags) and which of their
 become which figure. ``--only 01`` regenerates the figures whose names start with 01;
 ``--device cuda`` runs on a GPU (the figures then get a ``_cuda`` suffix so the CPU ones
 stay). Runs go to runs/figs/<run name>/.
+
+Runs that share a ``job`` are launched together: one torchrun job (common/multirun.py)
+calls their scripts one after another, because starting processes that import torch is
+a good part of a short run's cost on a small machine. The jobs' output goes to
+runs/figs/<job>.log; the terminal shows one progress bar over all the runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +34,7 @@ class Run:
     flags: list[str]
     nproc: int = 1                # >1: launched with torchrun
     figures: dict[str, str] = field(default_factory=dict)  # figs/ name -> file in the run folder
+    job: str = "one_process"      # runs with the same job (and so the same nproc) share one launch
 
 
 # ---- chapter 1: the single-device baseline --------------------------------------------
@@ -50,7 +58,7 @@ CHAPTER2 = [
     Run("02_amp_ac_accum", "step2_memory/train_accum.py", _CH2 + ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
     # The step times of the same set-ups, taken in turns in one process: runs made one
     # after another on a shared machine see different loads.
-    Run("02_bench", "step2_memory/bench_memory_savers.py", _CH2[:6] + ["--steps", "10"]),
+    Run("02_bench", "step2_memory/bench_memory_savers.py", _CH2[:6] + ["--steps", "6"]),
 ]
 _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
                "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
@@ -58,64 +66,62 @@ _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "0
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
 _3A = ["--model", "small", "--steps", "6", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "2"]
+_DP4 = dict(nproc=4, job="4_ranks_data_parallel")  # chapters 3a, 4 and 5: no DTensor meshes but FSDP's
 CHAPTER3A: list[Run] = [
-    Run("3a_ddp", "step3_multi_gpu/train_ddp.py", _3A, nproc=4,
+    Run("3a_ddp", "step3_multi_gpu/train_ddp.py", _3A, **_DP4,
         figures={"03_memory_trace_ddp.png": "memory_trace.png"}),
-    Run("3a_zero1", "step3_multi_gpu/train_ddp.py", _3A + ["--zero1"], nproc=4,
+    Run("3a_zero1", "step3_multi_gpu/train_ddp.py", _3A + ["--zero1"], **_DP4,
         figures={"03_memory_trace_zero1.png": "memory_trace.png"}),
-    Run("3a_fsdp_zero2", "step3_multi_gpu/train_fsdp.py", _3A + ["--no-reshard-after-forward"], nproc=4,
+    Run("3a_fsdp_zero2", "step3_multi_gpu/train_fsdp.py", _3A + ["--no-reshard-after-forward"], **_DP4,
         figures={"03_memory_trace_zero2.png": "memory_trace.png"}),
-    Run("3a_fsdp_zero3", "step3_multi_gpu/train_fsdp.py", _3A, nproc=4,
+    Run("3a_fsdp_zero3", "step3_multi_gpu/train_fsdp.py", _3A, **_DP4,
         figures={"03_memory_trace_fsdp.png": "memory_trace.png"}),
-    Run("3a_hsdp", "step3_multi_gpu/train_fsdp.py", _3A + ["--hsdp", "2", "2"], nproc=4,
+    Run("3a_hsdp", "step3_multi_gpu/train_fsdp.py", _3A + ["--hsdp", "2", "2"], **_DP4,
         figures={"03_memory_trace_hsdp.png": "memory_trace.png"}),
     Run("3a_fsdp_bf16_ac", "step3_multi_gpu/train_fsdp.py", _3A + ["--mixed-precision", "--activation-checkpointing"],
-        nproc=4, figures={"03_memory_trace_fsdp_bf16_ac.png": "memory_trace.png"}),
+        **_DP4, figures={"03_memory_trace_fsdp_bf16_ac.png": "memory_trace.png"}),
 ]
 
 # ---- chapter 3b: the model-parallel family --------------------------------------------
 # Every strategy on the same 4 ranks, model, data and batch, so the table compares like
-# with like. 8 layers: the interleaved schedule needs two stages per rank. They run in one
-# torchrun job (common/multirun.py): on 2 cores each launch of 4 ranks costs ~10 s.
+# with like. 8 layers: the interleaved schedule needs two stages per rank. Their own job:
+# DTensor meshes of one job can meet a stale cached group (common/multirun.py).
 _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
        "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "2"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
-PLANS: dict[str, list[tuple[str, str, list[str]]]] = {"03_strategies": [
-    ("tp", _TP, _3B),
-    ("tp_sp", _TP, _3B + ["--sequence-parallel"]),
-    ("pp_gpipe", _PP, _3B + ["--schedule", "gpipe", "--microbatches", "8"]),
-    ("pp_1f1b", _PP, _3B + ["--schedule", "1f1b", "--microbatches", "8"]),
-    ("pp_interleaved", _PP, _3B + ["--schedule", "interleaved1f1b", "--microbatches", "8"]),
-    ("2d", _2D, _3B + ["--tp", "2"]),
-    ("fsdp_via_2d", _2D, _3B + ["--tp", "1"]),  # FSDP alone: a 4 x 1 mesh
-    # chapter 3a's scripts, where this checkout has them, on the same footing
-    *[(Path(s).stem.removeprefix("train_"), s, _3B) for s in ("step3_multi_gpu/train_ddp.py",
-                                                              "step3_multi_gpu/train_fsdp.py")
-      if (ROOT / s).exists()],
-]}
+_MP4 = dict(nproc=4, job="4_ranks_model_parallel")
+STRATEGIES = "03_strategies/"  # the folder of the runs the chapter 3b table and the comparison read
 CHAPTER3B: list[Run] = [
     Run("03_single", "step1_single_gpu/train.py", _3B, figures={"03_memory_trace_single.png": "memory_trace.png"}),
-    Run("03_strategies", "common/multirun.py", ["--plan", "03_strategies"], nproc=4, figures={
-        "03_memory_trace_tp.png": "tp/memory_trace.png",
-        "03_memory_trace_tp_sp.png": "tp_sp/memory_trace.png",
-        "03_memory_trace_pp.png": "pp_1f1b/memory_trace.png",
-        "03_memory_trace_pp_gpipe.png": "pp_gpipe/memory_trace.png",
-        "03_memory_trace_2d.png": "2d/memory_trace.png"}),
+    Run(STRATEGIES + "tp", _TP, _3B, **_MP4, figures={"03_memory_trace_tp.png": "memory_trace.png"}),
+    Run(STRATEGIES + "tp_sp", _TP, _3B + ["--sequence-parallel"], **_MP4,
+        figures={"03_memory_trace_tp_sp.png": "memory_trace.png"}),
+    Run(STRATEGIES + "pp_gpipe", _PP, _3B + ["--schedule", "gpipe", "--microbatches", "8"], **_MP4,
+        figures={"03_memory_trace_pp_gpipe.png": "memory_trace.png"}),
+    Run(STRATEGIES + "pp_1f1b", _PP, _3B + ["--schedule", "1f1b", "--microbatches", "8"], **_MP4,
+        figures={"03_memory_trace_pp.png": "memory_trace.png"}),
+    Run(STRATEGIES + "pp_interleaved", _PP, _3B + ["--schedule", "interleaved1f1b", "--microbatches", "8"], **_MP4),
+    Run(STRATEGIES + "2d", _2D, _3B + ["--tp", "2"], **_MP4, figures={"03_memory_trace_2d.png": "memory_trace.png"}),
+    Run(STRATEGIES + "fsdp_via_2d", _2D, _3B + ["--tp", "1"], **_MP4),  # FSDP alone: a 4 x 1 mesh
+    # chapter 3a's scripts on the same footing
+    Run(STRATEGIES + "ddp", "step3_multi_gpu/train_ddp.py", _3B, **_MP4),
+    Run(STRATEGIES + "fsdp", "step3_multi_gpu/train_fsdp.py", _3B, **_MP4),
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "common/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
          "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
-        nproc=2, figures={"03_pipeline_bubble.png": "pipeline_bubble.png", "03_pipeline_bubble.md": "pipeline_bubble.md"}),
+        nproc=2, job="2_ranks_pipeline", figures={"03_pipeline_bubble.png": "pipeline_bubble.png",
+                                                  "03_pipeline_bubble.md": "pipeline_bubble.md"}),
 ]
 
 # ---- chapter 4: the communication lab (README: the communication lab) -------------------------------
 CHAPTER4 = [
-    Run("commlab_collectives", "step3_multi_gpu/bench_collectives.py", [], nproc=4,
+    Run("commlab_collectives", "step3_multi_gpu/bench_collectives.py", [], **_DP4,
         figures={"04_collectives_busbw.png": "collectives.png", "04_collectives_table.md": "collectives.md"}),
-    Run("commlab_ring", "step3_multi_gpu/ring_allreduce.py", [], nproc=4,
+    Run("commlab_ring", "step3_multi_gpu/ring_allreduce.py", [], **_DP4,
         figures={"04_ring_vs_allreduce.png": "ring_vs_allreduce.png", "04_ring_table.md": "ring_allreduce.md"}),
     Run("commlab_comm_hooks", "step3_multi_gpu/compare_comm_hooks.py",
-        ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], nproc=4,
+        ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], **_DP4,
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
 ]
 
@@ -123,16 +129,19 @@ CHAPTER4 = [
 _5 = ["--model", "small", "--steps", "4", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "0",
       "--no-trace-memory", "--ckpt-every", "2"]
 CHAPTER5 = [
-    Run("05_ddp4", "step3_multi_gpu/train_ddp.py", _5, nproc=4),
-    Run("05_zero1_4", "step3_multi_gpu/train_ddp.py", _5 + ["--zero1"], nproc=4),
-    Run("05_fsdp4", "step3_multi_gpu/train_fsdp.py", _5, nproc=4),
+    Run("05_ddp4", "step3_multi_gpu/train_ddp.py", _5, **_DP4),
+    Run("05_zero1_4", "step3_multi_gpu/train_ddp.py", _5 + ["--zero1"], **_DP4),
+    Run("05_fsdp4", "step3_multi_gpu/train_fsdp.py", _5, **_DP4),
 ]
 
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5
 
 
 def run_dir(name: str, suffix: str = "") -> Path:
-    return ROOT / "runs" / "figs" / (name + suffix)
+    """runs/figs/<name><suffix>; for a run inside a folder (03_strategies/tp) the suffix
+    goes on the folder: runs/figs/03_strategies_cuda/tp."""
+    head, _, tail = name.partition("/")
+    return ROOT / "runs" / "figs" / (head + suffix) / tail
 
 
 def summary(name: str, suffix: str = "") -> dict:
@@ -144,10 +153,8 @@ def n_param_tensors(s: dict) -> int:
     return 9 * s["model_config"]["n_layers"] + 3
 
 
-def chapter1_table(suffix: str, only: str = "") -> dict[str, str]:
+def chapter1_table(suffix: str = "") -> dict[str, str]:
     """The memory anatomy of the baseline: measured bytes beside 4N / 4N / 8N."""
-    if only and not ("01".startswith(only) or only.startswith("01")):
-        return {}
     s = summary("baseline", suffix)
     n, mem = s["n_params"], s["memory"][0]
     peak, at = mem["peak_by_category"], mem["at_peak"]
@@ -176,33 +183,26 @@ def chapter1_table(suffix: str, only: str = "") -> dict[str, str]:
     return {"table-01" + suffix: "\n".join(lines)}
 
 
-def chapter3b_table(suffix: str = "", only: str = "") -> dict[str, str]:
+def chapter3b_table(suffix: str = "") -> dict[str, str]:
     """Measured per-rank memory, bytes and step time of every strategy in the 03_strategies
     plan; written to figs/03b_table.md and returned as {README marker: markdown}."""
     from common.model_parallel import chapter3b_table as table
-    if only and not ("03b_table".startswith(only) or only.startswith("03")):
-        return {}
-    runs = ROOT / "runs" / "figs" / ("03_strategies" + suffix)
+    runs = run_dir(STRATEGIES, suffix)
     if not runs.exists():
         print(f"skipped the chapter 3b table: {runs} is missing", flush=True)
         return {}
-    single = ROOT / "runs" / "figs" / ("03_single" + suffix)
-    md = table(runs, [name for name, _, _ in PLANS["03_strategies"]], single=single)
+    names = [r.name.removeprefix(STRATEGIES) for r in CHAPTER3B if r.name.startswith(STRATEGIES)]
+    md = table(runs, names, single=run_dir("03_single", suffix))
     (ROOT / "figs" / f"03b_table{suffix}.md").write_text(md + "\n")
     print(f"wrote figs/03b_table{suffix}.md", flush=True)
     return {"table-03b" + suffix: md}
 
 
 
-def chapter2(suffix: str, only: str = "") -> dict[str, str]:
+def chapter2(suffix: str = "") -> dict[str, str]:
     """Each saving's trace beside the baseline's, the peaks by category, and the table.
 
     Returns {README marker: table}."""
-    if only and not ("02".startswith(only) or only.startswith("02")):
-        return {}
-    import json
-    import platform
-
     from common.compare import RunResult, markdown_table, render_beside, render_peak_bars
 
     runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix))
@@ -223,13 +223,7 @@ def chapter2(suffix: str, only: str = "") -> dict[str, str]:
     render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
                      f"What is alive at the memory peak, by category: {what}",
                      budget=None if suffix else (128 * 2**20, "a pretend 128 MiB device"))
-    if s["device"].startswith("cuda"):
-        device = s["device_name"]
-    else:
-        cpuinfo = Path("/proc/cpuinfo")
-        names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists()
-                                                             else []) if line.startswith("model name")]
-        device = f"CPU ({names[0] if names else platform.processor()}, {len(names) or '?'} cores), no GPU"
+    device = this_device(s["device"])
     info, times = bench["info"], {_CH2_LABELS["02_" + k]: v["min_s"] for k, v in bench["result"].items()}
     threads = f" on {info['threads']} CPU thread{'s' if info['threads'] != 1 else ''}" if info["threads"] else ""
     load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
@@ -247,26 +241,20 @@ def chapter2(suffix: str, only: str = "") -> dict[str, str]:
     return {f"table-02{suffix}": text}
 
 
-# chapter 3's strategies on one scale: run folder (under runs/figs/) -> label. All from the
-# 03_strategies plan, which runs DDP and FSDP on the same model, batch and sequence length
+# chapter 3's strategies on one scale: run name -> label. All from the 03_strategies
+# runs, which run DDP and FSDP on the same model, batch and sequence length
 # as TP and PP (chapter 3a's own runs use 4 layers and 128 tokens, so they would not compare).
 _CH3_COMPARE = {"03_strategies/ddp": "DDP", "03_strategies/fsdp": "FSDP (ZeRO-3)", "03_strategies/tp": "TP",
                 "03_strategies/pp_1f1b": "PP (1F1B)", "03_strategies/2d": "2-D (FSDP x TP)"}
 
 
-def chapter3_compare(suffix: str = "", only: str = "") -> dict[str, str]:
+def chapter3_compare(suffix: str = "") -> dict[str, str]:
     """figs/03_memory_compare.png (and its per-rank peak bars) from chapter 3's runs, with
     ``python -m common.compare``; the runs that are missing are left out."""
-    if only and not ("03_memory_compare".startswith(only) or only.startswith("03")):
-        return {}
     from common.compare import compare
 
-    def folder(name):
-        head, _, tail = name.partition("/")
-        return ROOT / "runs" / "figs" / (head + suffix) / tail
-
-    have = {name: label for name, label in _CH3_COMPARE.items() if (folder(name) / "summary.json").exists()
-            and (folder(name) / "memory_trace.json").exists()}
+    have = {name: label for name, label in _CH3_COMPARE.items() if (run_dir(name, suffix) / "summary.json").exists()
+            and (run_dir(name, suffix) / "memory_trace.json").exists()}
     missing = [n for n in _CH3_COMPARE if n not in have]
     if missing:
         print(f"chapter 3 comparison: leaving out {', '.join(missing)} (no run in runs/figs/)", flush=True)
@@ -274,7 +262,7 @@ def chapter3_compare(suffix: str = "", only: str = "") -> dict[str, str]:
         print("skipped the chapter 3 comparison: fewer than two of its runs exist", flush=True)
         return {}
     out = ROOT / "runs" / "figs" / f"03_compare{suffix}"
-    md = compare([folder(n) for n in have], list(have.values()), out,
+    md = compare([run_dir(n, suffix) for n in have], list(have.values()), out,
                  title=None)
     shutil.copyfile(out / "memory_timelines.png", ROOT / "figs" / f"03_memory_compare{suffix}.png")
     shutil.copyfile(out / "peak_by_category.png", ROOT / "figs" / f"03_peak_by_rank{suffix}.png")
@@ -284,12 +272,41 @@ def chapter3_compare(suffix: str = "", only: str = "") -> dict[str, str]:
     return {"table-03-compare" + suffix: md}
 
 
+def _md_table(text: str, header: str) -> list[str]:
+    """The lines of the markdown table in ``text`` whose header row starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def bubble_table(suffix: str = "") -> dict[str, str]:
+    """The pipeline-bubble table, copied into the README where its discussion is."""
+    return {"table-03-bubble" + suffix: (ROOT / "figs" / f"03_pipeline_bubble{suffix}.md").read_text().strip()}
+
+
+def chapter4_tables(suffix: str = "") -> dict[str, str]:
+    """README excerpts of the communication lab's tables: the collectives at a few sizes with
+    the latency/bandwidth fit, and the ring's timings beside gloo's."""
+    name = f"04_collectives_table{suffix}.md"
+    text = (ROOT / "figs" / name).read_text()
+    table = _md_table(text, "| size")
+    keep = {"1 KiB", "16 KiB", "256 KiB", "1 MiB", "4 MiB", table[-1].split("|")[1].strip()}
+    rows = table[:2] + [r for r in table[2:] if r.split("|")[1].strip() in keep]
+    fit = next(line for line in text.splitlines() if line.startswith("all_reduce latency alpha"))
+    collectives = "\n".join(rows + ["", f"(busbw in GB/s; every size is in `figs/{name}`.) {fit}"])
+    ring = "\n".join(_md_table((ROOT / "figs" / f"04_ring_table{suffix}.md").read_text(), "| size | ring time"))
+    return {"table-04-collectives" + suffix: collectives, "table-04-ring" + suffix: ring}
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
 from common.faults_report import write_faults_table  # noqa: E402
 
-# callables(suffix, only) -> {README marker: markdown}; each draws on the runs above
-POST_STEPS = [chapter1_table, chapter2, write_chapter3a_table, chapter3b_table, chapter3_compare, write_faults_table]
+# (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
+# draws on the runs above and is redone when --only matches its prefix
+POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
+              ("03", chapter3_compare), ("03", bubble_table), ("04", chapter4_tables), ("05", write_faults_table)]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
@@ -302,21 +319,105 @@ def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
             continue
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
-        text = f"{head}{begin}\n{body}\n{end}{tail}"
+        text = f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}"
     readme.write_text(text)
 
 
-def launch(run: Run, out: Path, device: str):
-    script = run.script
-    cmd = [sys.executable, script] if run.nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}", script]
-    cmd += run.flags + ["--out", str(out.relative_to(ROOT)), "--device", device]
-    shown = ["python", *cmd[1:]] if run.nproc == 1 else ["torchrun", *cmd[3:]]
-    print("$", " ".join(shown), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+def this_device(device: str) -> str:
+    """The machine's name as the README states it: the GPU's, or the CPU's and its cores."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_name()
+    import platform
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return f"CPU ({names[0] if names else platform.processor()}, {len(names) or '?'} cores), no GPU"
+
+
+def jobs(todo: list[Run]) -> list[list[Run]]:
+    """The runs grouped by job, in the order each job first appears."""
+    grouped: dict[str, list[Run]] = {}
+    for r in todo:
+        grouped.setdefault(r.job, []).append(r)
+        if r.nproc != grouped[r.job][0].nproc:
+            raise ValueError(f"run {r.name} has {r.nproc} processes but its job {r.job} has "
+                             f"{grouped[r.job][0].nproc}: give it a job of its own")
+    return list(grouped.values())
+
+
+def argv(run: Run, suffix: str, device: str) -> list[str]:
+    return [*run.flags, "--out", str(run_dir(run.name, suffix).relative_to(ROOT)), "--device", device]
+
+
+def command(run: Run, suffix: str, device: str) -> str:
+    """The command that makes this run by itself."""
+    launcher = "python" if run.nproc == 1 else f"torchrun --standalone --nproc-per-node {run.nproc}"
+    return " ".join([launcher, run.script, *argv(run, suffix, device)])
+
+
+def launch(job: list[Run], suffix: str, device: str, bar) -> None:
+    """One process (or one torchrun job) for all of ``job``'s runs; its output goes to
+    runs/figs/<job>.log, and each ``[multirun] done`` line it prints moves ``bar`` on.
+    Exits with the log's tail if the job fails."""
+    from tqdm import tqdm
+    first = job[0]
+    cmd = [sys.executable] if first.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={first.nproc}"]
+    cmd += ["common/multirun.py", "--runs", json.dumps([{"name": r.name, "script": r.script,
+                                                         "argv": argv(r, suffix, device)} for r in job])]
+    log = ROOT / "runs" / "figs" / f"{first.job}{suffix}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    by_name = {r.name: r for r in job}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "w") as f, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            f.write(line)
+            if "[multirun] start " in line:
+                name = line.split("[multirun] start ", 1)[1].strip()
+                bar.set_postfix_str(name)
+                tqdm.write("$ " + command(by_name[name], suffix, device))
+                f.write("$ " + command(by_name[name], suffix, device) + "\n")
+            elif "[multirun] done " in line:
+                bar.update(1)
+    if proc.returncode:
+        bar.close()
+        print("\n".join(log.read_text().splitlines()[-40:]), file=sys.stderr)
+        sys.exit(f"error: the job {first.job} failed (exit code {proc.returncode}); its whole output is in "
+                 f"{log.relative_to(ROOT)}")
+
+
+def record_provenance(written: list[Path], device: str, argv: list[str], path: Path = ROOT / "figs" / "made_on.json"):
+    """Remember, per file in figs/, the device, torch version, date and command that made it:
+    regenerating one chapter keeps the others' entries."""
+    import datetime
+
+    import torch
+    made = json.loads(path.read_text()) if path.exists() else {}
+    entry = {"device": this_device(device), "torch": torch.__version__.split("+")[0],
+             "date": datetime.date.today().isoformat(),
+             "command": " ".join(["python -m common.figures", *argv])}
+    made.update({p.name: entry for p in written})
+    made = {k: v for k, v in sorted(made.items()) if (path.parent / k).exists()}
+    path.write_text(json.dumps(made, indent=1) + "\n")
+    return made
+
+
+def provenance_table(made: dict[str, dict]) -> str:
+    """Which device made which figures: one row per chapter prefix and machine."""
+    rows: dict[tuple, list[str]] = {}
+    for name, e in made.items():
+        rows.setdefault((name.split("_", 1)[0], e["device"], e["torch"], e["date"], e["command"]), []).append(name)
+    lines = ["| files in figs/ | made on | torch | date | by |", "|---|---|---|---|---|"]
+    for (prefix, dev, torch_version, date, cmd), names in rows.items():
+        files = f"{len(names)} file{'s' if len(names) != 1 else ''}"
+        lines.append(f"| `{prefix}_*` ({files}) | {dev} | {torch_version} | {date} | `{cmd}` |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
+    from tqdm import tqdm
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="regenerate only the figures whose names start with this")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -325,22 +426,32 @@ def main(argv=None):
     # a run is redone if one of its figures, or its name (runs that only feed a table), matches --only
     todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)
             or (args.only and r.name.startswith(args.only))]
-    # the overall bar: which run of how many (each run shows its own bar underneath)
-    for i, run in enumerate(todo, 1):
-        print(f"[figures {i}/{len(todo)}] {run.name}", flush=True)
-        out = run_dir(run.name, suffix)
-        launch(run, out, args.device)
-        for fig, src in run.figures.items():
-            dest = ROOT / "figs" / fig.replace(".png", f"{suffix}.png")
-            shutil.copyfile(out / src, dest)
-            print(f"wrote {dest.relative_to(ROOT)}", flush=True)
+    if not todo:
+        print(f"error: no figure or run name starts with {args.only!r}; figure names start with 01, 02, 03, 04 "
+              f"or 05 (see figs/)", file=sys.stderr)
+        sys.exit(2)
+    start = time.time()
+    bar = tqdm(total=len(todo), unit="run", desc="figures", dynamic_ncols=True)
+    for job in jobs(todo):
+        launch(job, suffix, args.device, bar)
+        for run in job:
+            for fig, src in run.figures.items():
+                shutil.copyfile(run_dir(run.name, suffix) / src, ROOT / "figs" / fig.replace(".png", f"{suffix}.png"))
+    bar.close()
     tables = {}
-    for post in POST_STEPS:
+    for prefix, post in POST_STEPS:
+        if not (prefix.startswith(args.only) or args.only.startswith(prefix)):
+            continue
         try:
-            tables.update(post(suffix, args.only) or {})
+            tables.update(post(suffix) or {})
         except FileNotFoundError as e:  # --only skipped the runs this table needs
             print(f"skipped {post.__name__}: {e.filename} is missing", flush=True)
+    written = [f for f in sorted((ROOT / "figs").iterdir()) if f.stat().st_mtime >= start and f.name != "made_on.json"]
+    made = record_provenance(written, args.device, sys.argv[1:] if argv is None else argv)
+    tables["figs-made-on"] = provenance_table(made)
     update_readme(tables)
+    print(f"wrote {len(written)} files in figs/ and {len(tables)} README tables in {time.time() - start:.0f} s; "
+          f"the runs' output is in runs/figs/", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Run a step script's ``main()`` several times inside one torchrun job.
 
-Starting four processes that import torch costs about ten seconds on a 2-core machine;
-sweeps (the pipeline-bubble figure) and the tests run many short trainings, so they
-launch once and call the scripts one after another. Each ``main()`` sets up and tears
+Starting four processes that import torch and join a process group costs 5 to 10 seconds
+on a 2-core machine; sweeps (the pipeline-bubble figure), ``python -m common.figures`` and
+the tests run many short trainings, so they launch once and call the scripts one after
+another. Each ``main()`` sets up and tears
 down its own process group. Re-initialising on torchrun's store would reuse the previous
 group's keys (gloo then connects to stale addresses and fails), so ``allow_reinit()``
 gives every new group a fresh key prefix on the launcher's store.
@@ -21,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +31,8 @@ _state = {"count": 0, "store": None}
 
 def allow_reinit():
     """Make ``dist.init_process_group`` safe to call again after ``destroy_process_group``."""
-    if _state["store"] is not None:
-        return
+    if _state["store"] is not None or "MASTER_ADDR" not in os.environ:
+        return  # already done, or plain python: each group gets a store of its own (common/distributed.py)
     _state["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     init = dist.init_process_group
 
@@ -52,6 +54,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     saved, sys.argv = sys.argv, [str(ROOT / script), *argv]
     err = io.StringIO()
     code = 0
+    threads = torch.get_num_threads()  # a script may set it (the step 2 benchmark does); the next one starts afresh
     try:
         with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
             module.main()
@@ -59,28 +62,32 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
         code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = saved
+        torch.set_num_threads(threads)
     return code, err.getvalue()
 
 
 def main():
-    """``torchrun --nproc-per-node N common/multirun.py --plan NAME --out DIR``: the runs of a
-    plan in common/figures.py (PLANS), each into DIR/<run name>."""
+    """``torchrun --nproc-per-node N common/multirun.py --runs JSON``: runs one after another
+    in this job. JSON is a list of {"name", "script", "argv"}; ``python -m common.figures``
+    writes it. Rank 0 prints ``[multirun] start NAME`` and ``[multirun] done NAME`` around
+    each, which the figures command reads to move its progress bar."""
     import argparse
+    import json
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--plan", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--runs", required=True, help='[{"name": ..., "script": ..., "argv": [...]}, ...]')
     args = p.parse_args()
-    from common.figures import PLANS
-    world = os.environ.get("WORLD_SIZE", "1")
-    for name, script, flags in PLANS[args.plan]:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"$ torchrun --nproc-per-node {world} {script} {' '.join(flags)}", flush=True)
-        code, _ = run_script(script, [*flags, "--out", str(Path(args.out) / name), "--device", args.device])
+    main_rank = os.environ.get("RANK", "0") == "0"
+    for run in json.loads(args.runs):
+        if main_rank:
+            print(f"[multirun] start {run['name']}", flush=True)
+        code, _ = run_script(run["script"], run["argv"])
         if code:
             sys.exit(code)
+        if main_rank:
+            print(f"[multirun] done {run['name']}", flush=True)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main()
+    from common import multirun  # this file again, as common.multirun: scripts that import it share its state
+    multirun.main()

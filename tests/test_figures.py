@@ -1,0 +1,151 @@
+"""The figures command (common/figures.py): every run it makes is a command the scripts
+accept, runs that share a job share one launch and do not disturb each other, a failing
+job stops it with the way to its log, and every file in figs/ says which machine made it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from common import figures
+from common.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
+from test_readme import parse_only
+
+TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4", "--eval-batches", "0",
+        "--no-trace-memory"]
+SUFFIX = "_pytest"
+
+
+def test_every_run_is_a_valid_command(capsys):
+    names = [r.name for r in figures.RUNS]
+    assert len(names) == len(set(names)), "two runs write into the same folder"
+    bad = []
+    for run in figures.RUNS:
+        assert (ROOT / run.script).exists(), f"{run.name}: {run.script} does not exist"
+        script, flags = run.script, figures.argv(run, "", "cpu")
+        if script == "common/pipeline_bubble.py":  # its own two flags; the rest go to train_pp.py
+            i = flags.index("--schedules")
+            script, flags = "step3_multi_gpu/train_pp.py", flags[:i] + flags[i + 4:]
+        if code := parse_only(script, flags):
+            bad.append(f"{run.name}: exit {code}: {capsys.readouterr().err.strip()[-200:]}")
+    assert not bad, "runs whose flags the script rejects:\n" + "\n".join(bad)
+
+
+def test_jobs_group_runs_and_refuse_a_mixed_one():
+    grouped = jobs(figures.RUNS)
+    assert sum(map(len, grouped)) == len(figures.RUNS)
+    for job in grouped:
+        assert len({r.job for r in job}) == 1 and len({r.nproc for r in job}) == 1
+    # DTensor meshes of different runs must not share a job with FSDP's HSDP mesh (common/multirun.py)
+    hsdp_job = next(j for j in grouped if any("--hsdp" in r.flags for r in j))
+    assert not any(Path(r.script).stem in ("train_tp", "train_2d", "train_3d") for r in hsdp_job)
+    with pytest.raises(ValueError, match="give it a job of its own"):
+        jobs([Run("a", "x.py", [], nproc=1, job="j"), Run("b", "x.py", [], nproc=2, job="j")])
+
+
+def test_only_that_matches_nothing_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        figures.main(["--only", "99"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no figure or run name starts with '99'") and len(err.splitlines()) == 1
+
+
+def test_run_dir_puts_the_suffix_on_the_top_folder():
+    assert run_dir("baseline", "_cuda") == ROOT / "runs" / "figs" / "baseline_cuda"
+    assert run_dir("03_strategies/tp", "_cuda") == ROOT / "runs" / "figs" / "03_strategies_cuda" / "tp"
+
+
+class Bar:
+    def __init__(self):
+        self.n, self.postfix = 0, []
+
+    def update(self, k):
+        self.n += k
+
+    def set_postfix_str(self, s):
+        self.postfix.append(s)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def cleanup():
+    made = []
+    yield made
+    for name in made:
+        shutil.rmtree(run_dir(name, SUFFIX).parent if "/" in name else run_dir(name, SUFFIX), ignore_errors=True)
+    for log in (ROOT / "runs" / "figs").glob(f"*{SUFFIX}.log"):
+        log.unlink()
+
+
+def test_one_launch_runs_several_strategies_and_they_agree(cleanup):
+    """A one-process job and a 2-rank torchrun job, two runs each: every run writes its
+    own folder, and DDP and FSDP run back to back in one job match step 1's losses."""
+    one = [Run("pytest_single", "step1_single_gpu/train.py", TINY, job="pytest_one"),
+           Run("pytest_single_again", "step1_single_gpu/train.py", TINY, job="pytest_one")]
+    two = [Run("pytest_dp/ddp", "step3_multi_gpu/train_ddp.py", TINY, nproc=2, job="pytest_two"),
+           Run("pytest_dp/fsdp", "step3_multi_gpu/train_fsdp.py", TINY, nproc=2, job="pytest_two")]
+    cleanup += [r.name for r in one + two]
+    bar = Bar()
+    for job in jobs(one + two):
+        figures.launch(job, SUFFIX, "cpu", bar)
+    assert bar.n == 4 and bar.postfix == [r.name for r in one + two]
+    losses = {}
+    for r in one + two:
+        rows = [json.loads(line) for line in (run_dir(r.name, SUFFIX) / "metrics.jsonl").read_text().splitlines()]
+        losses[r.name] = [row["loss"] for row in rows if "loss" in row]
+        assert len(losses[r.name]) == 2, r.name
+    ref = losses["pytest_single"]
+    for name, got in losses.items():
+        assert got == pytest.approx(ref, rel=1e-5), name
+    log = (ROOT / "runs" / "figs" / f"pytest_two{SUFFIX}.log").read_text()
+    assert "$ torchrun --standalone --nproc-per-node 2 step3_multi_gpu/train_fsdp.py" in log
+
+
+def test_a_failing_job_stops_with_its_log(cleanup):
+    job = [Run("pytest_ok", "step1_single_gpu/train.py", TINY, job="pytest_bad"),
+           Run("pytest_bad", "step1_single_gpu/train.py", TINY + ["--seq-len", "0"], job="pytest_bad"),
+           Run("pytest_never", "step1_single_gpu/train.py", TINY, job="pytest_bad")]
+    cleanup += [r.name for r in job]
+    bar = Bar()
+    with pytest.raises(SystemExit) as e:
+        figures.launch(job, SUFFIX, "cpu", bar)
+    assert bar.n == 1 and "pytest_never" not in bar.postfix
+    msg = str(e.value.code)
+    assert msg.startswith("error: the job pytest_bad failed") and f"runs/figs/pytest_bad{SUFFIX}.log" in msg
+    assert "error: --seq-len" in (ROOT / "runs" / "figs" / f"pytest_bad{SUFFIX}.log").read_text()
+
+
+def test_provenance_is_kept_per_file(tmp_path):
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    for name in ("01_a.png", "02_b.png", "02_c.md"):
+        (figs / name).write_text("x")
+    made = record_provenance([figs / "01_a.png", figs / "02_b.png", figs / "02_c.md"], "cpu", [],
+                             path=figs / "made_on.json")
+    assert set(made) == {"01_a.png", "02_b.png", "02_c.md"} and made["01_a.png"]["device"].startswith("CPU (")
+    # a later --only 02 on another machine replaces 02's entries and keeps 01's
+    (figs / "02_c.md").unlink()
+    made["01_a.png"]["device"] = "an older machine"
+    (figs / "made_on.json").write_text(json.dumps(made))
+    made = record_provenance([figs / "02_b.png"], "cpu", ["--only", "02"], path=figs / "made_on.json")
+    assert set(made) == {"01_a.png", "02_b.png"}  # 02_c.md is gone from figs/, so from the record
+    assert made["01_a.png"]["device"] == "an older machine"
+    assert made["02_b.png"]["command"] == "python -m common.figures --only 02"
+    rows = provenance_table(made).splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| `01_*` (1 file) | an older machine |")
+
+
+def test_every_figure_says_which_machine_made_it():
+    made = json.loads((ROOT / "figs" / "made_on.json").read_text())
+    files = {p.name for p in (ROOT / "figs").iterdir() if p.name != "made_on.json"}
+    assert files == set(made), (f"figs/ files without a record: {sorted(files - set(made))}; records of missing "
+                                f"files: {sorted(set(made) - files)} (run python -m common.figures)")
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- BEGIN figs-made-on -->", 1)[1].split("<!-- END figs-made-on -->", 1)[0]
+    assert block.strip() == provenance_table(made), "README's figs-made-on table is stale"
