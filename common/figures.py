@@ -299,6 +299,42 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
     return {"table-04-collectives" + suffix: collectives, "table-04-ring" + suffix: ring}
 
 
+# The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
+# code block?). Formulas, and two traces under FakeTensorMode: about 15 s in all on 2 cores.
+ESTIMATES = {
+    "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80"]], False),
+    "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80", "--ac", "full"]],
+                  False),
+    "est-1b": ([["--model", "1b", "--strategy", "single", "--gpu-mem", "80"],
+                ["--model", "1b", "--strategy", "single", "--gpu-mem", "24", "--ac", "full"]], True),
+    "est-trace-debug": ([["--model", "debug", "--world-size", "2", "--strategy", "fsdp", "--seq-len", "64",
+                          "--batch", "4", "--trace"]], True),
+    "est-trace-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "fsdp", "--trace"]], True),
+}
+
+
+def estimates(suffix: str = "") -> dict[str, str]:
+    """The output of each ESTIMATES command, for the README's estimator chapter (the
+    estimator runs on any machine: there is no _cuda version)."""
+    import contextlib
+    import io
+
+    from common.estimate import main as estimate
+    if suffix:
+        return {}
+    blocks = {}
+    for marker, (commands, fenced) in ESTIMATES.items():
+        outs = []
+        for argv in commands:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                estimate(argv)
+            outs.append(out.getvalue().strip("\n"))
+        text = "\n\n".join(outs)
+        blocks[marker] = f"```\n{text}\n```" if fenced else text
+    return blocks
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
 from common.faults_report import write_faults_table  # noqa: E402
@@ -306,7 +342,8 @@ from common.faults_report import write_faults_table  # noqa: E402
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
-              ("03", chapter3_compare), ("03", bubble_table), ("04", chapter4_tables), ("05", write_faults_table)]
+              ("03", chapter3_compare), ("03", bubble_table), ("04", chapter4_tables), ("05", write_faults_table),
+              ("estimates", estimates)]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
@@ -426,9 +463,9 @@ def main(argv=None):
     # a run is redone if one of its figures, or its name (runs that only feed a table), matches --only
     todo = [r for r in RUNS if any(f.startswith(args.only) for f in r.figures) or (not r.figures and not args.only)
             or (args.only and r.name.startswith(args.only))]
-    if not todo:
+    if not todo and not any(prefix.startswith(args.only) for prefix, _ in POST_STEPS):
         print(f"error: no figure or run name starts with {args.only!r}; figure names start with 01, 02, 03, 04 "
-              f"or 05 (see figs/)", file=sys.stderr)
+              f"or 05 (see figs/), and --only estimates redoes the estimator's answers", file=sys.stderr)
         sys.exit(2)
     start = time.time()
     bar = tqdm(total=len(todo), unit="run", desc="figures", dynamic_ncols=True)

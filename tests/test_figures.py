@@ -149,3 +149,26 @@ def test_every_figure_says_which_machine_made_it():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- BEGIN figs-made-on -->", 1)[1].split("<!-- END figs-made-on -->", 1)[0]
     assert block.strip() == provenance_table(made), "README's figs-made-on table is stale"
+
+
+def test_estimator_blocks_follow_their_commands():
+    """Each README block the figures command fills with the estimator's output comes right
+    after a bash block holding exactly the commands that make it."""
+    import shlex
+    readme = (ROOT / "README.md").read_text()
+    for marker, (commands, _) in figures.ESTIMATES.items():
+        head = readme.split(f"<!-- BEGIN {marker} -->", 1)[0]
+        shown = head.rstrip().removesuffix("```").rsplit("```bash\n", 1)[1]
+        assert [shlex.split(line)[3:] for line in shown.strip().splitlines()] == commands, marker
+        assert all(line.startswith("python -m common.estimate ") for line in shown.strip().splitlines())
+
+
+def test_estimator_blocks_are_current():
+    """The estimator is deterministic (but for its timing line): the README's copies of its
+    answers must be what it answers now."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    untimed = lambda t: re.sub(r"in [\d.]+ s\)", "in ... s)", t.strip())  # noqa: E731
+    for marker, text in figures.estimates().items():
+        block = readme.split(f"<!-- BEGIN {marker} -->", 1)[1].split(f"<!-- END {marker} -->", 1)[0]
+        assert untimed(block) == untimed(text), f"README's {marker} block is stale: run python -m common.figures"
