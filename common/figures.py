@@ -286,8 +286,9 @@ def bubble_table(suffix: str = "") -> dict[str, str]:
 
 
 def chapter4_tables(suffix: str = "") -> dict[str, str]:
-    """README excerpts of the communication lab's tables: the collectives at a few sizes with
-    the latency/bandwidth fit, and the ring's timings beside gloo's."""
+    """README copies of the communication lab's tables: the collectives at a few sizes with
+    the latency/bandwidth fit, the ring's bytes and its timings beside gloo's, and the
+    communication hooks."""
     name = f"04_collectives_table{suffix}.md"
     text = (ROOT / "figs" / name).read_text()
     table = _md_table(text, "| size")
@@ -295,8 +296,12 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
     rows = table[:2] + [r for r in table[2:] if r.split("|")[1].strip() in keep]
     fit = next(line for line in text.splitlines() if line.startswith("all_reduce latency alpha"))
     collectives = "\n".join(rows + ["", f"(busbw in GB/s; every size is in `figs/{name}`.) {fit}"])
-    ring = "\n".join(_md_table((ROOT / "figs" / f"04_ring_table{suffix}.md").read_text(), "| size | ring time"))
-    return {"table-04-collectives" + suffix: collectives, "table-04-ring" + suffix: ring}
+    ring_md = (ROOT / "figs" / f"04_ring_table{suffix}.md").read_text()
+    hooks = _md_table((ROOT / "figs" / f"04_comm_hooks_table{suffix}.md").read_text(), "| hook |")
+    return {"table-04-collectives" + suffix: collectives,
+            "table-04-ring" + suffix: "\n".join(_md_table(ring_md, "| size | ring time")),
+            "table-04-ring-bytes" + suffix: "\n".join(_md_table(ring_md, "| ring | numel")),
+            "table-04-hooks" + suffix: "\n".join(hooks)}
 
 
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
