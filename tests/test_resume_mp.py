@@ -5,7 +5,7 @@ cost another restart, ~7 s here), and a pipeline checkpoint loads into another n
 of stages.
 
 One torchrun job of 2 ranks (tests/resume_driver.py runs the scripts' main() one after
-another on one process group). Sizes: debug model, 32 tokens, global batch 4, 4 steps,
+another on one process group), and one of 4 ranks for the 2-D script on a real 2 x 2 mesh. Sizes: debug model, 32 tokens, global batch 4, 4 steps,
 a checkpoint every 2 steps (after steps 1 and 3); the faults strike at step 2, so the
 restarted run loads step 1's checkpoint and redoes step 2.
 """
@@ -75,6 +75,25 @@ def test_two_d_script_resumes_exactly(job):
     plain, resumed = job["2d"], job["2d_resumed"]
     assert list(plain["losses"]) == STEPS
     assert list(resumed["losses"]) == ["2", "3"]
+    assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+
+
+# The 2-D script on 4 ranks, where both dimensions are real: dp 2 (FSDP shards each TP
+# slice over 2 ranks) x tp 2. Its own job: 4 processes.
+PLAN_2D = {
+    "2d_2x2": {"script": "2d", "flags": B + C + ["--dp", "2", "--tp", "2"]},
+    "2d_2x2_resumed": {"script": "2d", "flags": R + ["--dp", "2", "--tp", "2"], "from": ["2d_2x2", 1]},
+}
+
+
+def test_two_d_on_a_real_2x2_mesh_resumes_exactly(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                        "tests/resume_driver.py", str(tmp_path), json.dumps(PLAN_2D)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    plain, resumed = (json.loads((tmp_path / f"{name}.json").read_text()) for name in PLAN_2D)
+    assert plain["code"] == 0 and resumed["code"] == 0, plain["stderr"] + resumed["stderr"]
+    assert list(plain["losses"]) == STEPS and list(resumed["losses"]) == ["2", "3"]
     assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
 
 
