@@ -388,6 +388,15 @@ def jobs(todo: list[Run]) -> list[list[Run]]:
     return list(grouped.values())
 
 
+def fit_on_gpus(todo: list[Run], gpus: int) -> list[Run]:
+    """The runs this machine's GPUs can make (NCCL wants a GPU per rank); says which are left out."""
+    left_out = [r.name for r in todo if r.nproc > gpus]
+    if left_out:
+        print(f"leaving out {len(left_out)} runs that need more GPUs than the {gpus} here: {', '.join(left_out)}",
+              flush=True)
+    return [r for r in todo if r.nproc <= gpus]
+
+
 def argv(run: Run, suffix: str, device: str) -> list[str]:
     return [*run.flags, "--out", str(run_dir(run.name, suffix).relative_to(ROOT)), "--device", device]
 
@@ -472,6 +481,13 @@ def main(argv=None):
         print(f"error: no figure or run name starts with {args.only!r}; figure names start with 01, 02, 03, 04 "
               f"or 05 (see figs/), and --only estimates redoes the estimator's answers", file=sys.stderr)
         sys.exit(2)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("error: --device cuda: this machine has no CUDA GPU (or this torch has no CUDA); leave "
+                  "--device out to make the CPU figures", file=sys.stderr)
+            sys.exit(2)
+        todo = fit_on_gpus(todo, torch.cuda.device_count())
     start = time.time()
     bar = tqdm(total=len(todo), unit="run", desc="figures", dynamic_ncols=True)
     for job in jobs(todo):

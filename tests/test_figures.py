@@ -54,6 +54,20 @@ def test_only_that_matches_nothing_is_refused(capsys):
     assert err.startswith("error: no figure or run name starts with '99'") and len(err.splitlines()) == 1
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_figures_without_a_gpu_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        figures.main(["--device", "cuda", "--only", "01"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --device cuda: this machine has no")
+
+
+def test_a_gpu_machine_makes_the_runs_it_has_gpus_for(capsys):
+    kept = figures.fit_on_gpus(figures.RUNS, 1)
+    assert kept and all(r.nproc == 1 for r in kept) and len(kept) < len(figures.RUNS)
+    assert "leaving out" in capsys.readouterr().out
+    assert figures.fit_on_gpus(figures.RUNS, 4) == figures.RUNS
+
+
 def test_run_dir_puts_the_suffix_on_the_top_folder():
     assert run_dir("baseline", "_cuda") == ROOT / "runs" / "figs" / "baseline_cuda"
     assert run_dir("03_strategies/tp", "_cuda") == ROOT / "runs" / "figs" / "03_strategies_cuda" / "tp"
