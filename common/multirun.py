@@ -3,10 +3,10 @@
 Starting four processes that import torch and join a process group costs 5 to 10 seconds
 on a 2-core machine; sweeps (the pipeline-bubble figure), ``python -m common.figures`` and
 the tests run many short trainings, so they launch once and call the scripts one after
-another. Each ``main()`` sets up and tears
-down its own process group. Re-initialising on torchrun's store would reuse the previous
-group's keys (gloo then connects to stale addresses and fails), so ``allow_reinit()``
-gives every new group a fresh key prefix on the launcher's store.
+another. Each ``main()`` sets up and tears down its own process group. Re-initialising
+on torchrun's store would reuse the previous group's keys (gloo then connects to stale
+addresses and fails), so ``allow_reinit()`` gives every new group a fresh key prefix on
+the launcher's store.
 
 A known limit: DTensor caches sharding decisions (in C++) keyed by meshes that compare
 equal by shape and ranks, not by process group. Two runs in one job whose meshes have an

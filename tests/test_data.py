@@ -90,6 +90,15 @@ def test_path_file_and_folder(tmp_path):
     assert not set(folder.train_files) & set(folder.val_files)
 
 
+def test_stdlib_is_read_once_per_process_and_a_path_every_time(stdlib, tmp_path):
+    assert load_corpus("stdlib") is load_corpus("stdlib")  # runs sharing a process (common/multirun.py)
+    (tmp_path / "a.txt").write_text("x" * 1000)
+    assert len(load_corpus(str(tmp_path / "a.txt")).train) + len(load_corpus(str(tmp_path / "a.txt")).val) == 1000
+    (tmp_path / "a.txt").write_text("x" * 2000)  # a path's files may change between runs
+    again = load_corpus(str(tmp_path / "a.txt"))
+    assert len(again.train) + len(again.val) == 2000
+
+
 def test_synthetic_is_seeded_random_bytes():
     a, b, c = load_corpus("synthetic", seed=0), load_corpus("synthetic", seed=0), load_corpus("synthetic", seed=1)
     assert torch.equal(a.train, b.train) and not torch.equal(a.train, c.train)
