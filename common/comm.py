@@ -102,6 +102,13 @@ def _group_size(args) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def sent_per_step(comm: dict) -> tuple[float, float]:
+    """(logical, wire) bytes a rank sends per step, from one rank's ``summary()``: every
+    collective but ``recv`` (a point-to-point transfer counts once, at its sender)."""
+    keep = [v for k, v in comm.items() if k != "recv"]
+    return sum(v["bytes"] for v in keep), sum(v["wire_bytes"] for v in keep)
+
+
 class CommCounter(TorchDispatchMode):
     """``with CommCounter() as comm: ...`` then ``comm.bytes`` = {collective: logical bytes}."""
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.comm import sent_per_step
 from common.errors import UserError, main_guard
 from common.memory import CATEGORIES, COLORS, STACK_ORDER, fmt_bytes, render
 
@@ -83,12 +84,12 @@ class RunResult:
         return self.traces or self.summary.get("memory") or []
 
     def comm_per_step(self) -> list[int] | None:
-        """Logical bytes each rank communicated per optimizer step (all collectives); None
-        when the run did not count them."""
+        """Logical bytes each rank sent per optimizer step (a pipeline's point-to-point
+        transfers once, at the sender); None when the run did not count them."""
         comm = self.summary.get("comm")
         if not comm:
             return None
-        return [int(sum(c["bytes"] for c in rank.values())) for rank in comm]
+        return [int(sent_per_step(rank)[0]) for rank in comm]
 
 
 def _scale(top: float) -> tuple[int, str]:

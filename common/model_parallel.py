@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from common.comm import CommCounter
+from common.comm import CommCounter, sent_per_step
 from common.errors import UserError
 from common.model import ModelConfig, Transformer
 from common.theory import stage_layers  # the formulas live in theory.py
@@ -432,12 +432,6 @@ _LABELS = {
 }
 
 
-def _sent(comm: dict) -> tuple[float, float]:
-    """(logical, wire) bytes a rank sends per step: everything but what it receives."""
-    keep = [v for k, v in comm.items() if k != "recv"]
-    return sum(v["bytes"] for v in keep), sum(v["wire_bytes"] for v in keep)
-
-
 def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     """One row per strategy from its summary.json: per-rank memory, bytes sent, step time.
 
@@ -467,7 +461,7 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
         mem = s["memory"]
         cat = lambda c: [m["peak_by_category"][c] for m in mem]  # noqa: E731
         comm = s.get("comm") or [{}]
-        sent = [_sent(c) for c in comm]
+        sent = [sent_per_step(c) for c in comm]
         label = _LABELS.get(name, name).format(**par)
         if "microbatches" in s:
             label += f", m={s['microbatches']}"

@@ -167,7 +167,8 @@ def synthetic_runs(tmp_path):
         (folder / "memory_trace.json").write_text(json.dumps(traces))
         summary = {"model": "debug", "global_batch_size": 4, "seq_len": 32, "device_name": "CPU", "world_size": 2,
                    "step_time_s": 0.5, "tokens_per_s": 256.0, "final_loss": 3.0 + k,
-                   **({"comm": [{"all_reduce": {"calls": 1, "bytes": 1000, "wire_bytes": 1000}}] * 2} if k else {})}
+                   **({"comm": [{"all_reduce": {"calls": 1, "bytes": 1000, "wire_bytes": 1000},
+                             "recv": {"calls": 1, "bytes": 500, "wire_bytes": 500}}] * 2} if k else {})}
         (folder / "summary.json").write_text(json.dumps(summary))
         folders.append(folder)
     return folders
@@ -180,7 +181,8 @@ def test_compare_renders(synthetic_runs, tmp_path):
         assert (tmp_path / "out" / f).stat().st_size > 0
     rows = md.strip().splitlines()
     assert len(rows) == 4 and rows[2].startswith("| A | 2 |") and rows[3].startswith("| B | 2 |")
-    assert "n/a" in rows[2] and "1000 B" in rows[3]  # A counted no bytes; B 1000 B per rank per step
+    # A counted no bytes; B sent 1000 B per rank per step (what it received is its sender's)
+    assert "n/a" in rows[2] and "1000 B" in rows[3]
     assert "0.50x" in rows[3]
 
 
