@@ -194,3 +194,23 @@ def test_compare_missing_folder(synthetic_runs, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and str(bad) in err
+
+
+def test_readme_python_snippets_print_what_they_claim():
+    """A ```python block of the README that imports what it needs is a runnable snippet; the
+    comment lines that end it are the output it claims, and running it must print exactly those."""
+    import contextlib
+    import io
+    text = (ROOT / "README.md").read_text()
+    snippets = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if re.search(r"^(from|import) ", b, re.M)]
+    assert snippets, "README.md lost its runnable snippet(s)?"
+    for code in snippets:
+        lines = code.rstrip("\n").splitlines()
+        claimed = []
+        while lines and lines[-1].startswith("# "):
+            claimed.insert(0, lines.pop()[2:])
+        assert claimed, f"a runnable README snippet claims no output:\n{code[:200]}"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README snippet", "exec"), {"__name__": "readme_snippet"})
+        assert out.getvalue().splitlines() == claimed, code[:200]
