@@ -184,8 +184,8 @@ def chapter1_table(suffix: str = "") -> dict[str, str]:
 
 
 def chapter3b_table(suffix: str = "") -> dict[str, str]:
-    """Measured per-rank memory, bytes and step time of every strategy in the 03_strategies
-    plan; written to figs/03b_table.md and returned as {README marker: markdown}."""
+    """Measured per-rank memory, bytes and step time of every strategy among the 03_strategies
+    runs; written to figs/03b_table.md and returned as {README marker: markdown}."""
     from common.model_parallel import chapter3b_table as table
     runs = run_dir(STRATEGIES, suffix)
     if not runs.exists():
@@ -205,9 +205,9 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     Returns {README marker: table}."""
     from common.compare import RunResult, markdown_table, render_beside, render_peak_bars
 
-    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], ROOT / "runs" / "figs" / (r.name + suffix))
+    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], run_dir(r.name, suffix))
             for r in CHAPTER2 if r.name in _CH2_LABELS}
-    bench = json.loads((ROOT / "runs" / "figs" / f"02_bench{suffix}" / "bench.json").read_text())
+    bench = json.loads((run_dir("02_bench", suffix) / "bench.json").read_text())
     s = runs["02_baseline"].summary
     what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
     figs = ROOT / "figs"
@@ -261,7 +261,7 @@ def chapter3_compare(suffix: str = "") -> dict[str, str]:
     if len(have) < 2:
         print("skipped the chapter 3 comparison: fewer than two of its runs exist", flush=True)
         return {}
-    out = ROOT / "runs" / "figs" / f"03_compare{suffix}"
+    out = run_dir("03_compare", suffix)
     md = compare([run_dir(n, suffix) for n in have], list(have.values()), out,
                  title=None)
     shutil.copyfile(out / "memory_timelines.png", ROOT / "figs" / f"03_memory_compare{suffix}.png")
