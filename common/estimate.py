@@ -9,12 +9,16 @@ backward and optimizer step of the model run under ``FakeTensorMode``: every ten
 a shape, a dtype and a device but no memory, and a fake process group (``backend="fake"``,
 whose collectives do nothing) lets DDP, FSDP2 and tensor parallelism build as they would
 on ``--world-size`` GPUs. common/memory.py's tracer, which only looks at storages' sizes,
-measures rank 0 by category. Pipeline parallelism is not traced: its schedule exchanges
-tensors point to point between real processes, which a fake group cannot answer.
+measures rank 0 by category. Pipeline parallelism (``--strategy pp``, GPipe or 1F1B) is
+traced on the rank the formulas find fullest: that rank's stage replays the schedule's
+textbook order of micro-batch forwards and backwards (common/model_parallel.py's
+``schedule_order``), with fake tensors standing in for what its neighbours would send.
+PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads values).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -25,7 +29,18 @@ from common.model import PRESETS, get_config
 from common.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
 
 GiB = 2**30
-TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d")
+TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
+
+
+def traceable(p: Plan) -> str | None:
+    """Why ``--trace`` cannot run plan ``p``, or None when it can."""
+    if p.strategy not in TRACEABLE:
+        return f"--trace cannot run {p.strategy}; it traces {', '.join(TRACEABLE)}"
+    if p.pp > 1 and (p.strategy != "pp" or p.tp > 1 or p.dp > 1):
+        return "--trace runs pipeline parallelism alone (--strategy pp), not combined with tp or data parallelism"
+    if p.pp > 1 and p.schedule not in ("gpipe", "1f1b"):
+        return f"--trace replays the gpipe and 1f1b schedules, not {p.schedule}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
     p.add_argument("--trace", action="store_true",
-                   help="also trace a real step under FakeTensorMode and a fake process group (rank 0)")
+                   help="also trace a real step under FakeTensorMode and a fake process group (rank 0; "
+                        "under --strategy pp the fullest stage)")
     return p
 
 
@@ -115,10 +131,11 @@ def worst_rank(p: Plan) -> dict:
 
 
 # ---- tracing under fake tensors -----------------------------------------------------------------
-def trace(p: Plan) -> dict:
-    """Rank 0's memory by category in one real training step of plan ``p``, traced without allocating.
-
-    The second of two steps is measured (AdamW's state is created in the first)."""
+def trace(p: Plan, rank: int | None = None) -> dict:
+    """One rank's memory by category in one real training step of plan ``p``, traced without
+    allocating: rank 0, or under pipeline parallelism ``rank`` (default: the rank the
+    formulas find fullest; the result's ``rank``). The second of two steps is measured
+    (AdamW's state is created in the first)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -128,19 +145,81 @@ def trace(p: Plan) -> dict:
     from common.memory import MemoryTracer
     from common.model import Transformer
 
-    if p.strategy not in TRACEABLE or p.pp > 1:
-        raise UserError(f"--trace cannot run {p.strategy} (pipeline parallelism needs real processes to pass "
-                        f"tensors between stages); drop --trace for the formula alone.")
+    if why := traceable(p):
+        raise UserError(f"{why}; drop --trace for the formula alone.")
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.world)
     try:
         mesh = _mesh(p)  # before faking: building a mesh reads real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            return _trace_step(p, mesh, torch, F, MemoryTracer, Transformer)
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes():
+            if p.pp > 1:
+                rank = worst_rank(p)["rank"] if rank is None else rank
+                return _trace_stage(p, rank, torch, F, MemoryTracer, Transformer)
+            return dict(_trace_step(p, mesh, torch, F, MemoryTracer, Transformer), rank=0)
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _real_meshes():
+    """Device meshes built while tracing (FSDP over TP joins its dp and tp meshes into one)
+    compute their ranks' coordinates from a small integer tensor; under FakeTensorMode that
+    tensor would be fake and the lookup data-dependent, so meshes are built with real ones."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
+def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dict:
+    """Pipeline stage ``rank`` of plan ``p`` (one stage per rank): its forwards and backwards
+    in the schedule's order. Its inputs, unless it is the first stage, and the gradients of
+    its outputs, unless it is the last, are fake tensors of the shapes its neighbours send."""
+    from common.model_parallel import prune_to_stage, schedule_order
+
+    model = prune_to_stage(Transformer(p.cfg), rank, p.pp)
+    if p.ac == "full":
+        from common.memory_savers import apply_ac
+        apply_ac(model, "full")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
+    m = p.microbatches or p.pp
+    first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
+    shape = (p.batch // m, p.seq_len)
+    for step in range(2):
+        # One autocast region around the whole step, as around a schedule's step(): the bf16
+        # copies of the weights are cast once and shared by every micro-batch in flight.
+        with tracer.record(step), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            in_flight = {}
+            for kind, i in schedule_order(p.schedule, p.pp, m)[rank]:
+                if kind == "F":
+                    x = (torch.randint(0, p.cfg.vocab_size, shape) if first
+                         else torch.randn(*shape, p.cfg.dim, requires_grad=True))  # the residual stream, fp32
+                    out = model(x)
+                    if last:  # the loss of this micro-batch, scaled as the schedule scales it
+                        out = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(
+                            0, p.cfg.vocab_size, shape).flatten()) / m
+                    in_flight[i] = out
+                else:
+                    out = in_flight.pop(i)
+                    out.backward(None if last else torch.empty_like(out))  # the next stage's gradient
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    r = tracer.result
+    state = r["before_optimizer"] or r["peak_by_category"]
+    return {**{c: state[c] for c in CATEGORIES[:3]}, "activations": r["peak_by_category"]["activations"],
+            "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"], "rank": rank}
 
 
 def _mesh(p: Plan):
@@ -279,6 +358,9 @@ def main(argv=None):
         raise UserError(f"--batch {args.batch} does not split over the data-parallel ranks; use a multiple of "
                         f"{args.world_size}.")
     for p in ps:
+        if p.tp > 1:
+            from common.model_parallel import check_tp
+            check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
         if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
             raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
                             + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
@@ -288,16 +370,13 @@ def main(argv=None):
         if args.trace:
             t0 = time.perf_counter()
             traced = trace(ps[0])
-            print(f"(traced rank 0 under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
+            print(f"(traced rank {traced['rank']} under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
         print_one(ps[0], args.gpu_mem, traced)
         return
     traced = {}
     if args.trace:
         for p in ps:
-            if p.strategy in TRACEABLE and p.pp == 1:
-                traced[id(p)] = trace(p)
-            else:
-                traced[id(p)] = "not traced (PP)"
+            traced[id(p)] = trace(p) if traceable(p) is None else "not traced"
     print_table(ps, args.gpu_mem, traced)
 
 

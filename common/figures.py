@@ -305,7 +305,7 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 
 
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
-# code block?). Formulas, and two traces under FakeTensorMode: about 15 s in all on 2 cores.
+# code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores.
 ESTIMATES = {
     "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80"]], False),
     "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80", "--ac", "full"]],
@@ -315,6 +315,8 @@ ESTIMATES = {
     "est-trace-debug": ([["--model", "debug", "--world-size", "2", "--strategy", "fsdp", "--seq-len", "64",
                           "--batch", "4", "--trace"]], True),
     "est-trace-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "fsdp", "--trace"]], True),
+    "est-trace-pp": ([["--model", "small", "--n-layers", "8", "--world-size", "4", "--strategy", "pp", "--batch", "8",
+                       "--seq-len", "64", "--dtype", "fp32", "--microbatches", "8", "--trace"]], True),
 }
 
 

@@ -146,8 +146,18 @@ def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int =
     single-process model's. The RoPE tables are buffers of the model, so every stage has them.
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
-    mine = {str(i) for i in stage_layers(cfg.n_layers, n_stages)[stage]}
+        model = prune_to_stage(Transformer(cfg), stage, n_stages)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def prune_to_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """Keep only what pipeline stage ``stage`` of ``n_stages`` owns: its layers, plus the
+    embedding on the first stage and the final norm and output layer on the last."""
+    mine = {str(i) for i in stage_layers(model.cfg.n_layers, n_stages)[stage]}
     for name in [n for n in model.layers if n not in mine]:
         del model.layers[name]
     if stage != 0:
@@ -155,10 +165,6 @@ def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int =
     if stage != n_stages - 1:
         model.norm = None
         model.output = None
-    if parallelize is not None:
-        parallelize(model)
-    model.to_empty(device=device)
-    model.init_weights(seed)
     return model
 
 
@@ -171,16 +177,10 @@ def make_schedule(schedule: str, stages, microbatches: int, loss_fn):
     return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
 
-def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0):
-    """Idle fraction per rank of the textbook GPipe / 1F1B order, with uniform stages.
-
-    Each rank runs its forward (cost ``f``) and backward (cost ``b``) micro-batch steps in
-    the schedule's order, each as soon as its input has arrived (forward of micro-batch i
-    on stage s after stage s-1's; backward after stage s+1's). Communication is free.
-    Returns (per-rank idle fraction of the step, step length). For both schedules this
-    gives (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the
-    bubble.
-    """
+def schedule_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """Each rank's textbook order of forward ("F", i) and backward ("B", i) micro-batch
+    steps: GPipe runs every forward first; 1F1B starts backwards after p - 1 - rank
+    warm-up forwards, so stage s has at most p - s micro-batches in flight."""
     order = []
     for r in range(pp):
         if schedule == "gpipe":
@@ -194,6 +194,20 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
         else:
             raise ValueError(schedule)
         order.append(ops)
+    return order
+
+
+def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0):
+    """Idle fraction per rank of the textbook GPipe / 1F1B order, with uniform stages.
+
+    Each rank runs its forward (cost ``f``) and backward (cost ``b``) micro-batch steps in
+    the schedule's order, each as soon as its input has arrived (forward of micro-batch i
+    on stage s after stage s-1's; backward after stage s+1's). Communication is free.
+    Returns (per-rank idle fraction of the step, step length). For both schedules this
+    gives (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the
+    bubble.
+    """
+    order = schedule_order(schedule, pp, microbatches)
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * pp
     pos = [0] * pp

@@ -58,9 +58,9 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
 
 
 @pytest.mark.parametrize("strategy,world,kw", [
-    ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}),
+    ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}), ("2d", 4, {"tp": 2}),
     ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}),
-], ids=["single", "ddp", "fsdp", "tp", "single-ac", "single-bf16"])
+], ids=["single", "ddp", "fsdp", "tp", "2d", "single-ac", "single-bf16"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
         plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
@@ -68,9 +68,25 @@ def test_trace_agrees_with_the_formula(strategy, world, kw):
         for c in ("parameters", "optimizer state"):
             assert t[c] == pytest.approx(f[c], rel=0.01), (cfg, c)
         # TP: the vocabulary-split embedding's gradient is traced at twice its shard (documented)
-        assert t["gradients"] == pytest.approx(f["gradients"], rel=0.08 if strategy == "tp" else 0.01)
+        assert t["gradients"] == pytest.approx(f["gradients"], rel=0.08 if strategy in ("tp", "2d") else 0.01)
         band = 0.05 if kw.get("dtype") == "bf16" else 0.02
         assert t["activations"] == pytest.approx(f["activations"], rel=band), (cfg, kw)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_trace_replays_the_schedule_on_the_fullest_stage(schedule):
+    """GPipe keeps every micro-batch in flight on every stage, so the last stage (it adds the
+    output layer and the loss) is the fullest; 1F1B keeps p - s, so the first stage is."""
+    plan = theory.Plan(DEBUG, "pp", world=4, batch=8, seq_len=64, dtype="fp32", microbatches=4, schedule=schedule)
+    t = trace(plan)
+    assert t["rank"] == (3 if schedule == "gpipe" else 0)
+    f = theory.predict(plan, t["rank"])
+    for c in ("parameters", "gradients", "optimizer state"):
+        assert t[c] == f[c], c
+    assert t["activations"] == pytest.approx(f["activations"], rel=0.15)
+    if schedule == "1f1b":  # stage 0 holds 4 micro-batches in flight, the last stage 1
+        last = trace(plan, 3)
+        assert last["activations"] < t["activations"]
 
 
 def test_cli_table_and_one_strategy(capsys):
@@ -86,8 +102,12 @@ BAD = [
     (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by --tp 4 x --pp 1"),
     (["--gpu-mem", "0"], "--gpu-mem must be a positive number of GiB (got 0)"),
-    (["--strategy", "pp", "--world-size", "2", "--trace", "--model", "debug", "--seq-len", "64"],
-     "--trace cannot run pp"),
+    (["--strategy", "pp", "--world-size", "2", "--trace", "--model", "debug", "--seq-len", "64", "--schedule",
+      "interleaved1f1b"], "--trace replays the gpipe and 1f1b schedules, not interleaved1f1b"),
+    (["--strategy", "fsdp", "--pp", "2", "--world-size", "4", "--trace", "--model", "debug", "--seq-len", "64"],
+     "--trace runs pipeline parallelism alone"),
+    (["--strategy", "tp", "--world-size", "4", "--model", "debug", "--seq-len", "64"],
+     "the model's n_kv_heads (2) is not divisible by the tensor-parallel degree 4"),
 ]
 
 

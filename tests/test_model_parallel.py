@@ -200,6 +200,25 @@ def test_pp_each_rank_holds_only_its_stage(runs, n, name, n_layers):
         assert m["peak_by_category"]["parameters"] == expected, f"stage {s}"
 
 
+@pytest.mark.parametrize("name,n_layers,m", [("pp4_gpipe", 4, 2), ("pp4_uneven", 5, 4)])
+def test_estimator_trace_of_each_stage_matches_the_real_pipeline(runs, name, n_layers, m):
+    """``python -m common.estimate --strategy pp --trace`` replays a stage's schedule under
+    fake tensors; the real 4-rank run's tracer is the truth. Model state to the byte; the
+    activations and the peak within 10% (the replay's stand-ins for the neighbours' tensors
+    are not the schedule's own buffers)."""
+    from common.estimate import trace
+    from common.theory import Plan
+    plan = Plan(get_config("debug", n_layers=n_layers), "pp", world=4, batch=BATCH, seq_len=SEQ, dtype="fp32",
+                microbatches=m, schedule="gpipe")
+    for real in result(runs, 4, name)["summary"]["memory"]:
+        t = trace(plan, real["rank"])
+        got = real["peak_by_category"]
+        for c in ("parameters", "gradients", "optimizer state"):
+            assert t[c] == got[c], (real["rank"], c)
+        assert t["activations"] == pytest.approx(got["activations"], rel=0.10), real["rank"]
+        assert t["peak"] == pytest.approx(real["peak_bytes"], rel=0.10), real["rank"]
+
+
 def test_tp_bytes_match_the_formula(runs):
     """Without SP: 4L+2 all-reduces of one (B, T, d) fp32 activation per step, nothing else counted."""
     for n, name, model in ((2, "tp2", "debug"), (4, "tp4", "small")):
