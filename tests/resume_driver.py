@@ -36,7 +36,8 @@ from common.distributed import _restart_store  # noqa: E402
 # The model-parallel scripts too (tests/test_resume_mp.py); the driver owns their group.
 dp_driver.SCRIPTS.update({"tp": ("step3_multi_gpu/train_tp.py", "Transformer"),
                           "pp": ("step3_multi_gpu/train_pp.py", "build_stage"),
-                          "2d": ("step3_multi_gpu/train_2d.py", "Transformer")})
+                          "2d": ("step3_multi_gpu/train_2d.py", "Transformer"),
+                          "3d": ("step3_multi_gpu/train_3d.py", "build_stage")})
 
 
 class Tee(io.StringIO):

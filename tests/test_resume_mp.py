@@ -5,7 +5,8 @@ cost another restart, ~7 s here), and a pipeline checkpoint loads into another n
 of stages.
 
 One torchrun job of 2 ranks (tests/resume_driver.py runs the scripts' main() one after
-another on one process group), and one of 4 ranks for the 2-D script on a real 2 x 2 mesh. Sizes: debug model, 32 tokens, global batch 4, 4 steps,
+another on one process group), and two of 4 ranks: the 2-D script on a real 2 x 2 mesh, and
+the 3-D script as pipelines of TP pairs and of FSDP pairs. Sizes: debug model, 32 tokens, global batch 4, 4 steps,
 a checkpoint every 2 steps (after steps 1 and 3); the faults strike at step 2, so the
 restarted run loads step 1's checkpoint and redoes step 2.
 """
@@ -84,17 +85,31 @@ PLAN_2D = {
     "2d_2x2": {"script": "2d", "flags": B + C + ["--dp", "2", "--tp", "2"]},
     "2d_2x2_resumed": {"script": "2d", "flags": R + ["--dp", "2", "--tp", "2"], "from": ["2d_2x2", 1]},
 }
+# The 3-D script on 4 ranks, one dimension at a time left at 1 (2 x 2 x 2 needs 8 ranks):
+# pipelines of TP pairs, and pipelines of FSDP pairs. Another job: 3-D and 2-D meshes
+# must not meet in one (common/multirun.py).
+_PP_TP, _PP_FSDP = ["--pp", "2", "--dp", "1", "--tp", "2"], ["--pp", "2", "--dp", "2", "--tp", "1"]
+PLAN_3D = {
+    "3d_pp_tp": {"script": "3d", "flags": B + C + _PP_TP},
+    "3d_pp_tp_resumed": {"script": "3d", "flags": R + _PP_TP, "from": ["3d_pp_tp", 1]},
+    "3d_pp_fsdp": {"script": "3d", "flags": B + C + _PP_FSDP},
+    "3d_pp_fsdp_resumed": {"script": "3d", "flags": R + _PP_FSDP, "from": ["3d_pp_fsdp", 1]},
+}
 
 
-def test_two_d_on_a_real_2x2_mesh_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("plan", [PLAN_2D, PLAN_3D], ids=["2d-2x2", "3d-pp2xtp2-and-pp2xdp2"])
+def test_two_d_and_three_d_on_four_ranks_resume_exactly(tmp_path, plan):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        "tests/resume_driver.py", str(tmp_path), json.dumps(PLAN_2D)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+                        "tests/resume_driver.py", str(tmp_path), json.dumps(plan)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    plain, resumed = (json.loads((tmp_path / f"{name}.json").read_text()) for name in PLAN_2D)
-    assert plain["code"] == 0 and resumed["code"] == 0, plain["stderr"] + resumed["stderr"]
-    assert list(plain["losses"]) == STEPS and list(resumed["losses"]) == ["2", "3"]
-    assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+    res = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in plan}
+    for name, run in res.items():
+        assert run["code"] == 0, f"{name}: {run['stderr']}"
+    for name in [n for n in plan if "from" not in plan[n]]:
+        plain, resumed = res[name], res[name + "_resumed"]
+        assert list(plain["losses"]) == STEPS and list(resumed["losses"]) == ["2", "3"], name
+        assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3")), name  # bit for bit
 
 
 def test_pipeline_checkpoint_loads_into_another_stage_count(job):
