@@ -216,10 +216,7 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
                     out.backward(None if last else torch.empty_like(out))  # the next stage's gradient
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    r = tracer.result
-    state = r["before_optimizer"] or r["peak_by_category"]
-    return {**{c: state[c] for c in CATEGORIES[:3]}, "activations": r["peak_by_category"]["activations"],
-            "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"], "rank": rank}
+    return dict(_traced(tracer), rank=rank)
 
 
 def _mesh(p: Plan):
@@ -276,6 +273,12 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=p.strategy != "ddp")
+    return _traced(tracer)
+
+
+def _traced(tracer) -> dict:
+    """The traced step's bytes by category: model state before the optimizer step (AdamW's
+    state exists by then), activations, temporaries and the peak."""
     r = tracer.result
     state = r["before_optimizer"] or r["peak_by_category"]
     return {**{c: state[c] for c in CATEGORIES[:3]}, "activations": r["peak_by_category"]["activations"],
