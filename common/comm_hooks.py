@@ -25,6 +25,7 @@ Usage in a training script::
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -141,11 +142,35 @@ def _one_bucket_at_a_time(hook):
     keeps the order, at the price of not overlapping communication with the backward pass.
     """
     def powerSGD_hook_in_order(state, bucket):
-        fut = hook(state, bucket)
-        fut.wait()
+        with _no_cuda_sync_on_cpu(bucket.buffer().device):
+            fut = hook(state, bucket)
+            fut.wait()  # the whole chain, decompression included, runs inside the shim
         return fut
 
     return powerSGD_hook_in_order
+
+
+@contextlib.contextmanager
+def _no_cuda_sync_on_cpu(device: torch.device):
+    """PowerSGD calls ``torch.cuda.synchronize(device)`` whenever CUDA is available, even
+    for a CPU bucket, which raises "Expected a cuda device, but got: cpu" on a GPU machine
+    whose ranks train on the CPU (torch 2.11 to 2.13). A CPU bucket needs no CUDA sync:
+    skip it for CPU devices while the hook runs; CUDA buckets keep the real call."""
+    if device.type == "cuda" or not torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.synchronize
+
+    def synchronize(d=None):
+        if d is not None and torch.device(d).type == "cpu":
+            return None
+        return real(d)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
 
 
 def all_reduce_bytes(params, name: str, compressing: bool = True, elem_size: int = 4, **powersgd_opts) -> int:

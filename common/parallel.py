@@ -12,6 +12,7 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -83,10 +84,11 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
     - an already tensor-parallel model (parameters are DTensors on a TP mesh) is sharded
       further (2-D): both meshes must be slices of one parent mesh.
     """
-    if mesh.ndim == 1 and mesh.size() == 1:
-        # Nothing to shard over one rank (2-D/3-D runs with a data-parallel degree of 1).
-        # On torch 2.13 initialising a 2-D DTensor whose FSDP dimension has one rank also
-        # fails in gloo's scatter.
+    if mesh.size() == 1 and any(isinstance(p, DTensor) for p in model.parameters()):
+        # A tensor-parallel model with a data-parallel degree of 1 (2-D/3-D): nothing to
+        # shard, and on torch 2.13 a 2-D DTensor whose FSDP dimension has one rank fails in
+        # gloo's scatter. A plain model on one rank is still wrapped, so that the FSDP
+        # script's calls (set_requires_gradient_sync, ...) work at world size 1.
         return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -114,6 +116,8 @@ def trace_fsdp_memory(tracer, model: torch.nn.Module):
     to follow, and a hook on each gathered parameter tags the full-size gradient that
     backward writes before FSDP reduce-scatters it away.
     """
+    if not tracer.enabled:
+        return
     hooked: set[int] = set()
 
     def tag_gradient(p):
@@ -126,11 +130,11 @@ def trace_fsdp_memory(tracer, model: torch.nn.Module):
             tracer.watch(p, "parameters")
             if p.requires_grad and id(p) not in hooked:
                 hooked.add(id(p))
-                p.register_post_accumulate_grad_hook(tag_gradient)
+                tracer.until_done(p.register_post_accumulate_grad_hook(tag_gradient))
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.register_forward_pre_hook(on_unshard)
+            tracer.until_done(m.register_forward_pre_hook(on_unshard))
 
 
 def gather_comm(comm, ctx, steps: int) -> list[dict] | None:

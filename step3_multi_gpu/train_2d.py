@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from common import cli, theory
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
-from common.distributed import distributed, require_launcher
+from common.distributed import distributed
+from common.parallel import launch_hint
 from common.errors import UserError, main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
@@ -35,15 +36,17 @@ from common.training import adamw, evaluate, lr_schedule
 @main_guard
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, the inner mesh dimension (default: 2)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree, the inner mesh dimension (default: 2, or 1 on an odd world size)")
     p.add_argument("--dp", type=int, default=None, help="FSDP degree, the outer dimension (default: world size / tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        require_launcher(ctx, "step3_multi_gpu/train_2d.py")
-        if args.tp <= 0 or (args.dp is not None and args.dp <= 0):
+        launch_hint(ctx, "step3_multi_gpu/train_2d.py")
+        if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")
+        args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)
         dp = args.dp or max(1, ctx.world_size // args.tp)
         check_tp(args.model_config, args.tp, args.seq_len, args.sequence_parallel)
         # tp is the inner (last) dimension: consecutive ranks, i.e. the GPUs of one node.

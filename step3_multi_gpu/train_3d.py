@@ -3,6 +3,9 @@ nodes of a stage, tensor parallel inside a node: how the largest models train.
 
     torchrun --nproc-per-node 8 step3_multi_gpu/train_3d.py --pp 2 --dp 2 --tp 2 --n-layers 4
 
+(Degrees left out are filled in from the world size: tp 2 and pp 2 where they divide it,
+dp the rest; plain python runs 1 x 1 x 1.)
+
 Rank r sits at (pp, dp, tp) in a grid, tp varying fastest: the ranks of a TP group are
 consecutive, i.e. on one node. Every stage of the pipeline is a 2-D (FSDP x TP) model of
 its own layers (train_2d.py), and each data-parallel replica of the pipeline reads its
@@ -10,6 +13,7 @@ slice of the batch and runs the schedule on it (train_pp.py). The three use diff
 links: TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters between the nodes
 of a stage, PP's point-to-point activations between stages.
 """
+import math
 import os
 import sys
 
@@ -21,7 +25,8 @@ from torch.distributed.pipelining import PipelineStage
 from common import cli
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
-from common.distributed import distributed, require_launcher
+from common.distributed import distributed
+from common.parallel import launch_hint
 from common.errors import UserError, main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
@@ -32,6 +37,15 @@ from common.model_parallel import (SCHEDULES, StepComm, apply_tp, build_stage, c
 from common.training import adamw, lr_schedule
 
 
+def default_layout(args, world: int):
+    """Fill in the degrees not given: tp 2, then pp 2, where the ranks left over are
+    even, and dp the rest. 8 ranks: 2 x 2 x 2; 4: pp 2 x tp 2; 1: 1 x 1 x 1."""
+    for dim in ("tp", "pp", "dp"):
+        if getattr(args, dim) is None:
+            left = world // math.prod(d for d in (args.pp, args.dp, args.tp) if d)
+            setattr(args, dim, max(1, left) if dim == "dp" else 2 if left % 2 == 0 else 1)
+
+
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -39,15 +53,16 @@ def loss_fn(logits, targets):
 @main_guard
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages, the outer dimension (default: 2)")
-    p.add_argument("--dp", type=int, default=2, help="FSDP degree, the middle dimension (default: 2)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, the inner dimension (default: 2)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages, the outer dimension (default: from the world size)")
+    p.add_argument("--dp", type=int, default=None, help="FSDP degree, the middle dimension (default: from the world size)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, the inner dimension (default: from the world size)")
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        require_launcher(ctx, "step3_multi_gpu/train_3d.py")
+        launch_hint(ctx, "step3_multi_gpu/train_3d.py")
+        default_layout(args, ctx.world_size)
         if min(args.pp, args.dp, args.tp) <= 0:
             raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
         if args.global_batch_size % args.dp:

@@ -24,7 +24,8 @@ from torch.distributed.pipelining import PipelineStage
 from common import cli, theory
 from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
-from common.distributed import distributed, require_launcher
+from common.distributed import distributed
+from common.parallel import launch_hint
 from common.errors import main_guard
 from common.memory import MemoryTracer
 from common.metrics import Metrics
@@ -47,7 +48,7 @@ def main():
     p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        require_launcher(ctx, "step3_multi_gpu/train_pp.py")
+        launch_hint(ctx, "step3_multi_gpu/train_pp.py")
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
         corpus = load_corpus(args.data, seed=args.seed)

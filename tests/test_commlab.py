@@ -217,3 +217,35 @@ def test_dp_vs_ddp_explains_and_exits_cleanly_without_gpus():
     assert f"W = {fmt_bytes(w)} of fp32 weights) on n = 4 GPUs" in out
     assert f"(n-1) W = {fmt_bytes(3 * w)}" in out and f"2(n-1) W = {fmt_bytes(6 * w)}" in out
     assert "python step3_multi_gpu/dp_vs_ddp.py" in out
+
+
+def test_powersgd_on_cpu_ranks_of_a_machine_with_a_gpu(monkeypatch):
+    """PowerSGD calls torch.cuda.synchronize(bucket device) whenever CUDA is available; on a
+    GPU machine whose ranks train on the CPU that raised "Expected a cuda device, but got:
+    cpu". Simulated here: CUDA reported present, and a CUDA sync of a CPU device raises as it
+    does there. The hook must compress (after start_powerSGD_iter) and never sync a CPU device."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from common.comm_hooks import register_comm_hook
+
+    synced = []
+
+    def fake_sync(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            raise ValueError("Expected a cuda device, but got: cpu")
+        synced.append(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake_sync)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)))
+        state = register_comm_hook(model, "powersgd", start_powerSGD_iter=2, matrix_approximation_rank=1)
+        x = torch.randn(8, 32)
+        for _ in range(4):
+            model(x).square().mean().backward()
+        assert state.iter >= 3  # past start_powerSGD_iter: the compressing path (and its sync) ran
+        assert torch.cuda.synchronize is fake_sync  # the shim is gone again
+    finally:
+        dist.destroy_process_group()
