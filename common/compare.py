@@ -173,15 +173,18 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
 
 
 def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
-                   step_times: dict[str, float] | None = None) -> str:
+                   step_times: dict[str, float] | None = None, flops: dict[str, int] | None = None) -> str:
     """Chapter 2's table: rank 0's peak memory by category at the peak, step time and
     tokens/s, each against runs[0].
 
     ``step_times`` (seconds, by label) replaces the runs' own step times, e.g. with
-    times measured side by side by common.bench.interleaved."""
+    times measured side by side by common.interleaved_bench.interleaved. ``flops`` (by
+    label): the matmul and attention FLOPs of one step, recomputation included
+    (common.interleaved_bench.matmul_flops), shown against runs[0]'s."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     head = (["run"] + (["command"] if commands else []) + [f"{c} (MiB)" for c in CATEGORIES]
-            + ["peak (MiB)", "peak vs baseline", "step time (ms)", "tokens/s", "step time vs baseline"])
+            + ["peak (MiB)", "peak vs baseline", "step time (ms)", "tokens/s", "step time vs baseline"]
+            + (["matmul FLOPs vs baseline"] if flops else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     base = runs[0]
     step_time = lambda r: step_times[r.label] if step_times else r.step_time  # noqa: E731
@@ -190,7 +193,8 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
         tokens_per_s = r.summary["global_batch_size"] * r.summary["seq_len"] / step_time(r)
         cells = ([r.label] + ([f"`{commands[i]}`"] if commands else []) + [mib(at[c]) for c in CATEGORIES]
                  + [f"**{mib(r.trace['peak_bytes'])}**", f"{r.trace['peak_bytes'] / base.trace['peak_bytes']:.2f}x",
-                    f"{step_time(r) * 1e3:.0f}", f"{tokens_per_s:,.0f}", f"{step_time(r) / step_time(base):.2f}x"])
+                    f"{step_time(r) * 1e3:.0f}", f"{tokens_per_s:,.0f}", f"{step_time(r) / step_time(base):.2f}x"]
+                 + ([f"{flops[r.label] / flops[base.label]:.2f}x"] if flops else []))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -225,6 +225,7 @@ def chapter2(suffix: str = "") -> dict[str, str]:
                      budget=None if suffix else (128 * 2**20, "a pretend 128 MiB device"))
     device = this_device(s["device"])
     info, times = bench["info"], {_CH2_LABELS["02_" + k]: v["min_s"] for k, v in bench["result"].items()}
+    flops = {_CH2_LABELS["02_" + k]: v["matmul_flops"] for k, v in bench["result"].items()}
     threads = f" on {info['threads']} CPU thread{'s' if info['threads'] != 1 else ''}" if info["threads"] else ""
     load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
             if info["load_before"] is not None else "")
@@ -233,8 +234,9 @@ def chapter2(suffix: str = "") -> dict[str, str]:
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
             f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
             f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
-            f"runs/figs/02_bench{suffix}/bench.md){load}.\n\n"
-            + markdown_table(list(runs.values()), commands, step_times=times))
+            f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies and attention of "
+            f"one step, recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
+            + markdown_table(list(runs.values()), commands, step_times=times, flops=flops))
     (figs / f"02_table{suffix}.md").write_text(text)
     for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
         print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
@@ -342,6 +344,18 @@ def estimates(suffix: str = "") -> dict[str, str]:
     return blocks
 
 
+def gpu_check_report(suffix: str = "") -> dict[str, str]:
+    """The reports ``python -m tools.gpu_check`` left in figs/ (one per GPU model), for the
+    README's GPU section; a sentence saying there is none yet otherwise."""
+    if suffix:
+        return {}
+    reports = [p for p in sorted((ROOT / "figs").glob("gpu_check_*.md")) if p.stem != "gpu_check_cpu"]
+    if not reports:
+        return {"gpu-check": "No GPU report is in figs/ yet: `python -m tools.gpu_check` on a CUDA machine writes "
+                             "one (figs/gpu_check_<gpu>.md), and this command copies it here."}
+    return {"gpu-check": "\n\n".join(p.read_text().strip() for p in reports)}
+
+
 from common.dp_theory import write_chapter3a_table  # noqa: E402
 
 from common.faults_report import write_faults_table  # noqa: E402
@@ -350,7 +364,7 @@ from common.faults_report import write_faults_table  # noqa: E402
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
               ("03", chapter3_compare), ("03", bubble_table), ("04", chapter4_tables), ("05", write_faults_table),
-              ("estimates", estimates)]
+              ("estimates", estimates), ("gpu", gpu_check_report)]
 
 
 def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
@@ -441,7 +455,8 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
                  f"{log.relative_to(ROOT)}")
 
 
-def record_provenance(written: list[Path], device: str, argv: list[str], path: Path = ROOT / "figs" / "made_on.json"):
+def record_provenance(written: list[Path], device: str, argv: list[str], path: Path = ROOT / "figs" / "made_on.json",
+                      tool: str = "python -m common.figures"):
     """Remember, per file in figs/, the device, torch version, date and command that made it:
     regenerating one chapter keeps the others' entries."""
     import datetime
@@ -450,7 +465,7 @@ def record_provenance(written: list[Path], device: str, argv: list[str], path: P
     made = json.loads(path.read_text()) if path.exists() else {}
     entry = {"device": this_device(device), "torch": torch.__version__.split("+")[0],
              "date": datetime.date.today().isoformat(),
-             "command": " ".join(["python -m common.figures", *argv])}
+             "command": " ".join([tool, *argv])}
     made.update({p.name: entry for p in written})
     made = {k: v for k, v in sorted(made.items()) if (path.parent / k).exists()}
     path.write_text(json.dumps(made, indent=1) + "\n")

@@ -57,6 +57,18 @@ def memory_saver_step(model_name: str, batch: int, seq_len: int, device, amp: st
     return step
 
 
+def matmul_flops(step: Callable[[], None]) -> int:
+    """FLOPs of the matrix multiplies and attention one call of ``step`` runs (forward,
+    backward and any recomputation), counted by PyTorch's FlopCounterMode from shapes.
+
+    Activation checkpointing shows here: full AC runs each block's forward again (about a
+    third more), selective AC replays only the cheap ops, whose FLOPs are not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
 def interleaved(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2,
                 seed: int = 0) -> dict[str, dict]:
     """Time each callable ``rounds`` times, taking turns; {name: {min_s, median_s, times_s}}.

@@ -20,7 +20,7 @@ import torch
 from common import cli
 from common.distributed import distributed
 from common.errors import UserError, main_guard
-from common.interleaved_bench import interleaved, memory_saver_step
+from common.interleaved_bench import interleaved, matmul_flops, memory_saver_step
 from common.memory_savers import compile_unsupported
 
 # The set-ups of the chapter's table, named like its runs (common/figures.py CHAPTER2).
@@ -58,16 +58,20 @@ def main():
             ctx.print(f"first compiled step: {time.perf_counter() - t:.1f} s")
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         result = interleaved(steps, rounds=args.steps)
+        for name, step in steps.items():  # and what each set-up computes, recomputation included
+            result[name]["matmul_flops"] = matmul_flops(step)
         tokens = args.global_batch_size * args.seq_len
         info = {"device": str(ctx.device), "threads": torch.get_num_threads() if ctx.device.type == "cpu" else None,
                 "model": args.model, "global_batch_size": args.global_batch_size, "seq_len": args.seq_len,
                 "rounds": args.steps, "load_before": load,
                 "load_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "setups": setups}
         first = next(iter(result.values()))["min_s"]
-        lines = ["| set-up | fastest step (ms) | median step (ms) | tokens/s (fastest) | vs first |", "|---|---|---|---|---|"]
+        flops0 = next(iter(result.values()))["matmul_flops"]
+        lines = ["| set-up | fastest step (ms) | median step (ms) | tokens/s (fastest) | vs first | matmul FLOPs vs first |",
+                 "|---|---|---|---|---|---|"]
         for name, r in result.items():
             lines.append(f"| {name} | {r['min_s'] * 1e3:.0f} | {r['median_s'] * 1e3:.0f} | "
-                         f"{tokens / r['min_s']:,.0f} | {r['min_s'] / first:.2f}x |")
+                         f"{tokens / r['min_s']:,.0f} | {r['min_s'] / first:.2f}x | {r['matmul_flops'] / flops0:.2f}x |")
         if ctx.is_main:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "bench.json").write_text(json.dumps({"info": info, "result": result}, indent=1))

@@ -186,3 +186,17 @@ def test_estimator_blocks_are_current():
     for marker, text in figures.estimates().items():
         block = readme.split(f"<!-- BEGIN {marker} -->", 1)[1].split(f"<!-- END {marker} -->", 1)[0]
         assert untimed(block) == untimed(text), f"README's {marker} block is stale: run python -m common.figures"
+
+
+def test_gpu_report_block_is_current(tmp_path, monkeypatch):
+    """The README's GPU section is what tools/gpu_check.py left in figs/ (or says there is
+    none), and a report in figs/ reaches the README through the figures command."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- BEGIN gpu-check -->", 1)[1].split("<!-- END gpu-check -->", 1)[0]
+    assert block.strip() == figures.gpu_check_report()["gpu-check"].strip(), "stale: run python -m common.figures"
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    (figs / "gpu_check_h100.md").write_text("Made by `python -m tools.gpu_check` on 1 x NVIDIA H100\n")
+    (figs / "gpu_check_cpu.md").write_text("a toy run: not for the README\n")
+    monkeypatch.setattr(figures, "ROOT", tmp_path)
+    assert figures.gpu_check_report()["gpu-check"] == "Made by `python -m tools.gpu_check` on 1 x NVIDIA H100"

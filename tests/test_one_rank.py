@@ -1,10 +1,12 @@
-"""Every step-3 training script runs at world size 1 and reproduces step 1's losses.
+"""Every step-3 training script runs at world size 1 and reproduces step 1's losses, and
+the GPU check command (tools/gpu_check.py) works, in its CPU mode.
 
 A learner with one GPU (or a laptop) runs the step-3 scripts as written: plain ``python``
 (a process group of one) and ``torchrun --nproc-per-node 1`` must both work, for every
-strategy, and train exactly what step 1 trains. One launch of each kind runs every
-script in turn (common/multirun.py); the two launches run side by side. The torchrun
-launch runs each script once (the launch is what differs there), plain python every variant.
+strategy, and train exactly what step 1 trains. Two launches run side by side: one plain
+python process runs every variant in turn (common/multirun.py); ``python -m
+tools.gpu_check --cpu`` runs step 1, step 2 and every step-3 script at toy scale, the
+step-3 ones under ``torchrun --nproc-per-node 1`` (as on a one-GPU machine).
 """
 from __future__ import annotations
 
@@ -37,9 +39,7 @@ RUNS = {
 }
 
 
-UNDER_TORCHRUN = ("step1", "ddp", "fsdp", "tp", "pp_1f1b", "2d", "3d")
-CASES = [(launcher, name) for launcher in ("python", "torchrun") for name in RUNS
-         if name != "step1" and (launcher == "python" or name in UNDER_TORCHRUN)]
+GPU_CHECK_STEP3 = ("03_ddp", "03_zero1", "03_fsdp", "03_tp", "03_tp_sp", "03_pp", "03_2d", "03_3d")  # fp32
 
 
 def _runs_json(out_dir, names) -> str:
@@ -52,8 +52,7 @@ def launches(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_rank")
     cmds = {
         "python": [sys.executable, "common/multirun.py", "--runs", _runs_json(tmp / "python", RUNS)],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                     "common/multirun.py", "--runs", _runs_json(tmp / "torchrun", UNDER_TORCHRUN)],
+        "gpu_check": [sys.executable, "-m", "tools.gpu_check", "--cpu", "--report-dir", str(tmp / "gpu_check")],
     }
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, c in cmds.items()}
@@ -72,15 +71,46 @@ def _losses(folder) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("launcher,name", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-def test_every_step3_script_trains_what_step1_trains_on_one_rank(launches, launcher, name):
-    code, log, out = launches[launcher]
-    assert (out / name / "summary.json").exists(), f"{name} did not finish under {launcher}:\n{log[-3000:]}"
-    assert code == 0, log[-3000:]
-    summary = json.loads((out / name / "summary.json").read_text())
-    assert summary["world_size"] == 1
-    got, ref = _losses(out / name), _losses(out / "step1")
-    assert len(got) == len(ref) == 4
+def _same_losses(out, name, reference, steps, where):
+    assert (out / name / "summary.json").exists(), f"{name} did not finish ({where})"
+    assert json.loads((out / name / "summary.json").read_text())["world_size"] == 1
+    got, ref = _losses(out / name), _losses(out / reference)
+    assert len(got) == len(ref) == steps
     for step, (a, b) in enumerate(zip(got, ref)):
-        assert math.isclose(a, b, rel_tol=1e-5), f"{name} under {launcher}, step {step}: {a} vs step 1's {b}"
+        assert math.isclose(a, b, rel_tol=1e-5), f"{name} ({where}), step {step}: {a} vs step 1's {b}"
     assert got[-1] < got[0]  # it trained
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "step1"])
+def test_every_step3_script_trains_what_step1_trains_under_plain_python(launches, name):
+    code, log, out = launches["python"]
+    assert code == 0, log[-3000:]
+    _same_losses(out, name, "step1", 4, "plain python")
+
+
+def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_step1(launches):
+    code, log, _ = launches["gpu_check"]
+    assert code == 0, log[-3000:]
+    from tools.gpu_check import CHECKS
+    report_dir = launches["gpu_check"][2].parent / "gpu_check"
+    report = json.loads((report_dir / "gpu_check_cpu.json").read_text())
+    expected = [c.name for c in CHECKS if c.toy]
+    assert [r["name"] for r in report["runs"]] == expected and len(expected) >= 14
+    assert all(r["ok"] for r in report["runs"]), [r for r in report["runs"] if not r["ok"]]
+    assert {r["ranks"] for r in report["runs"]} == {1}
+    md = (report_dir / "gpu_check_cpu.md").read_text()
+    assert md.count("| yes |") == len(expected)  # one row per run
+    assert f"{len(expected)} of {len(expected)} runs ran" in log
+    runs = ROOT / "runs" / "gpu_check_cpu"
+    for name in GPU_CHECK_STEP3:  # torchrun --nproc-per-node 1, the toy model of 01_baseline
+        _same_losses(runs, name, "01_baseline", 3, "gpu_check --cpu, under torchrun")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
+    r = subprocess.run([sys.executable, "-m", "tools.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: no CUDA GPU is visible here (or this torch has no CUDA); run "
+                                             "this on a GPU machine, or pass --cpu for the same runs at toy scale "
+                                             "on the CPU"]

@@ -434,3 +434,21 @@ def test_memory_trace_leaves_compiled_steps_untouched(monkeypatch, tmp_path):
     assert seen["untraced"]["compiled_steps"] == 6 and seen["traced"]["compiled_steps"] == 4
     assert seen["traced"]["losses"] == pytest.approx(seen["untraced"]["losses"], rel=1e-6)
     torch._dynamo.reset()
+
+
+def test_selective_ac_recomputes_no_matmul_and_full_ac_a_forward():
+    """The FLOPs column of the chapter's table: full AC runs each block's forward again in
+    backward, but for the last matmul (w2), whose output backward does not need (the
+    non-reentrant checkpoint stops as soon as it has what it needs); selective AC keeps
+    every matmul output and replays only the cheap ops, so its matmul FLOPs equal no AC's.
+    (CPU's attention kernel has no FLOP formula in FlopCounterMode: matmuls only here.)"""
+    from common.interleaved_bench import matmul_flops, memory_saver_step
+    cfg, batch, seq = get_config("debug"), 4, 64
+    flops = {ac: matmul_flops(memory_saver_step("debug", batch, seq, "cpu", amp="bf16", ac=ac))
+             for ac in ("none", "selective", "full")}
+    d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    block = 2 * d * d + 2 * d * kv + 3 * d * f  # wq, wo, wk, wv, w1, w2, w3
+    tokens = batch * seq
+    assert flops["none"] == 6 * tokens * (cfg.n_layers * block + d * cfg.vocab_size)  # 6N per token
+    assert flops["selective"] == flops["none"]
+    assert flops["full"] - flops["none"] == 2 * tokens * cfg.n_layers * (block - d * f)

@@ -1,0 +1,289 @@
+"""Check the whole project on CUDA in one command: ``python -m tools.gpu_check``.
+
+On whatever CUDA GPUs are visible it runs every training script at GPU scale (the 125m
+model at 12 x 1024 tokens, and the 1b model at 4 x 2048 where it fits), in bf16 where the
+script has it, eager and compiled; step-3 scripts run with one rank per GPU (one rank on a
+one-GPU machine: NCCL refuses two ranks on one GPU). Then it runs the test suite with the
+GPU visible (the tests train on CPU ranks and must pass there as on a CPU machine).
+
+It writes one report, ``figs/gpu_check_<gpu>.md`` (and ``.json``, which
+``python -m common.figures`` turns into the README's GPU table): per run, whether it ran
+(or the error's last line), step time, tokens/s, MFU, and the CUDA allocator's peak against
+the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png``.
+
+    python -m tools.gpu_check                 # everything (about 8 minutes on one H100)
+    python -m tools.gpu_check --no-tests      # the runs only
+    python -m tools.gpu_check --only 02       # the runs whose names start with 02
+    python -m tools.gpu_check --cpu           # the uncompiled runs at toy scale on the CPU, no
+                                              # tests (the test suite runs it, so it cannot rot)
+
+Without a GPU (and without ``--cpu``) it says so in one sentence and exits with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+S2, S3 = "step2_memory/", "step3_multi_gpu/"
+# (model flags at GPU scale, the same at toy scale for --cpu)
+SCALES = {
+    "125m": (["--model", "125m", "--global-batch-size", "12", "--seq-len", "1024"],
+             ["--model", "debug", "--global-batch-size", "4", "--seq-len", "32"]),
+    "1b": (["--model", "1b", "--global-batch-size", "4", "--seq-len", "2048"],
+           ["--model", "debug", "--global-batch-size", "4", "--seq-len", "64"]),
+}
+STEPS = ["--steps", "10", "--trace-start", "3", "--trace-steps", "1", "--eval-batches", "0", "--data", "stdlib"]
+TOY_STEPS = ["--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--eval-batches", "0", "--data", "synthetic"]
+
+
+@dataclass
+class Check:
+    name: str
+    script: str
+    flags: list[str] = field(default_factory=list)
+    scale: str = "125m"
+    all_gpus: bool = False           # step 3: one rank per visible GPU, under torchrun
+    figure: str | None = None        # figs/<figure>_cuda_<gpu>.png from its memory_trace.png
+    toy: bool = True                 # also in --cpu mode (not the compiled runs: Inductor takes a
+                                     # minute a model on a small CPU; nor the 1b runs, the same scripts)
+
+
+CHECKS = [
+    Check("01_baseline", "step1_single_gpu/train.py", figure="01_memory_trace_baseline"),
+    Check("02_amp", S2 + "train_amp.py", ["--amp", "bf16"], figure="02_memory_trace_amp"),
+    Check("02_amp_compile", S2 + "train_amp.py", ["--amp", "bf16", "--compile"], toy=False),
+    # the same without the memory trace: its step time must equal the traced run's later steps
+    Check("02_amp_compile_notrace", S2 + "train_amp.py", ["--amp", "bf16", "--compile", "--no-trace-memory"],
+          toy=False),
+    Check("02_amp_sac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective"]),
+    Check("02_amp_ac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full"], figure="02_memory_trace_amp_ac"),
+    Check("02_amp_sac_compile", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective", "--compile"],
+          toy=False),
+    Check("02_amp_ac_compile", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full", "--compile"], toy=False),
+    Check("02_accum", S2 + "train_accum.py", ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
+    Check("1b_fp32", "step1_single_gpu/train.py", scale="1b", toy=False),
+    Check("1b_amp", S2 + "train_amp.py", ["--amp", "bf16"], scale="1b", toy=False),
+    Check("1b_amp_sac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective"], scale="1b", toy=False),
+    Check("1b_amp_ac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full"], scale="1b", toy=False),
+    Check("1b_amp_compile", S2 + "train_amp.py", ["--amp", "bf16", "--compile", "--no-trace-memory"], scale="1b", toy=False),
+    Check("03_ddp", S3 + "train_ddp.py", all_gpus=True, figure="03_memory_trace_ddp"),
+    Check("03_zero1", S3 + "train_ddp.py", ["--zero1"], all_gpus=True, figure="03_memory_trace_zero1"),
+    Check("03_fsdp", S3 + "train_fsdp.py", all_gpus=True, figure="03_memory_trace_fsdp"),
+    Check("03_fsdp_bf16_ac", S3 + "train_fsdp.py", ["--mixed-precision", "--activation-checkpointing"],
+          all_gpus=True, figure="03_memory_trace_fsdp_bf16_ac"),
+    Check("03_tp", S3 + "train_tp.py", all_gpus=True, figure="03_memory_trace_tp"),
+    Check("03_tp_sp", S3 + "train_tp.py", ["--sequence-parallel"], all_gpus=True),
+    Check("03_pp", S3 + "train_pp.py", ["--schedule", "1f1b", "--microbatches", "4"], all_gpus=True,
+          figure="03_memory_trace_pp"),
+    Check("03_2d", S3 + "train_2d.py", all_gpus=True, figure="03_memory_trace_2d"),
+    Check("03_3d", S3 + "train_3d.py", all_gpus=True),
+]
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the model number, for file names."""
+    m = re.search(r"\b([A-Z]+\d{2,4})\b", name)
+    return (m.group(1) if m else re.sub(r"\W+", "_", name)).lower()
+
+
+def flags_of(check: Check, toy: bool, out: Path, device: str) -> list[str]:
+    scale = SCALES[check.scale][1 if toy else 0]
+    return [*scale, *(TOY_STEPS if toy else STEPS), *check.flags, "--out", str(out), "--device", device]
+
+
+# ---- the worker: the runs of one launch, one after another, carrying on past failures --------------
+def worker(spec_path: str) -> None:
+    """Inside one process (or one torchrun job): each run's main(), its exit code and the
+    last line of what it printed to stderr, written to <out>/gpu_check_status.json."""
+    import os
+
+    import torch
+    from common.multirun import run_script
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    for run in json.loads(Path(spec_path).read_text()):
+        if rank0:
+            print(f"[gpu_check] start {run['name']}", flush=True)
+        t = time.perf_counter()
+        code, err = run_script(run["script"], run["argv"], capture_stderr=True)
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]  # not the progress bar
+        if rank0:
+            out = Path(run["out"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu_check_status.json").write_text(json.dumps(
+                {"code": code, "error": lines[-1][:300] if code and lines else None,
+                 "wall_s": time.perf_counter() - t}))
+            print(f"[gpu_check] done {run['name']} (exit {code})", flush=True)
+        torch._dynamo.reset()  # the next run compiles its own model afresh: no recompile limit carried over
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- the orchestrator ---------------------------------------------------------------------
+def launch(checks: list[Check], nproc: int, torchrun: bool, toy: bool, device: str, runs_dir: Path,
+           timeout_s: float) -> str:
+    spec = [{"name": c.name, "script": c.script, "out": str(runs_dir / c.name),
+             "argv": flags_of(c, toy, runs_dir / c.name, device)} for c in checks]
+    spec_path = runs_dir / f"spec_{nproc}.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable] if not torchrun else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 f"--nproc-per-node={nproc}"]
+    cmd += [str(Path(__file__).relative_to(ROOT)), "--worker", str(spec_path)]
+    log = runs_dir / f"launch_{nproc}.log"
+    try:
+        with open(log, "w") as f:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f} s (log: {log})"
+    return ""
+
+
+def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> dict:
+    out = runs_dir / check.name
+    row = {"name": check.name, "script": check.script, "flags": check.flags, "scale": check.scale, "ranks": nproc}
+    status = out / "gpu_check_status.json"
+    if not status.exists():
+        return row | {"ok": False, "error": launch_error or "did not run (the launch stopped before it)"}
+    st = json.loads(status.read_text())
+    if st["code"] != 0:
+        return row | {"ok": False, "error": st["error"] or f"exit code {st['code']}"}
+    s = json.loads((out / "summary.json").read_text())
+    mem = s.get("memory") or [{}]
+    traced = max((m.get("peak_bytes") or 0 for m in mem), default=0) or None
+    allocator = max((m.get("allocator_peak_bytes") or 0 for m in mem), default=0) or None
+    return row | {"ok": True, "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s.get("mfu"),
+                  "dtype": s.get("dtype"), "allocator_peak_bytes": allocator, "traced_peak_bytes": traced,
+                  "final_loss": s["final_loss"]}
+
+
+def run_tests(timeout_s: float) -> dict:
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "summary": f"the test suite did not finish in {timeout_s:.0f} s", "wall_s": timeout_s}
+    tail = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    failed = [ln for ln in tail if ln.startswith("FAILED") or ln.startswith("ERROR")]
+    return {"ok": r.returncode == 0, "summary": tail[-1] if tail else f"exit code {r.returncode}",
+            "failed": failed, "wall_s": time.perf_counter() - t}
+
+
+def markdown(report: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b else "-"  # noqa: E731
+    lines = [f"Made by `python -m tools.gpu_check` on {report['gpus']} x {report['device']}, torch {report['torch']}, "
+             f"{report['date']}.", "",
+             "| run | script and flags | ranks | ran | step time | tokens/s | MFU | allocator peak | traced peak | "
+             "traced / allocator |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        cmd = f"`{' '.join([r['script'], *r['flags']])}` ({'toy' if report['device'] == 'CPU' else r['scale']})"
+        if not r["ok"]:
+            lines.append(f"| {r['name']} | {cmd} | {r['ranks']} | no: {r['error']} | | | | | | |")
+            continue
+        a, t = r["allocator_peak_bytes"], r["traced_peak_bytes"]
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        ratio = f"{t / a:.3f}" if a and t else "-"
+        lines.append(f"| {r['name']} | {cmd} | {r['ranks']} | yes | {r['step_time_s'] * 1e3:.1f} ms | "
+                     f"{r['tokens_per_s']:,.0f} | {mfu} | {gib(a)} | {gib(t)} | {ratio} |")
+    by = {r["name"]: r for r in report["runs"] if r["ok"]}
+    if "02_amp_compile" in by and "02_amp_compile_notrace" in by:
+        ratio = by["02_amp_compile"]["step_time_s"] / by["02_amp_compile_notrace"]["step_time_s"]
+        lines += ["", f"Compiled steps after the memory trace against a run without it: {ratio:.2f}x "
+                      f"(1.00x: the trace leaves the compiled steps alone)."]
+    if {"02_amp", "02_amp_sac", "02_amp_ac"} <= by.keys():
+        t = {k: by[k]["step_time_s"] * 1e3 for k in ("02_amp", "02_amp_sac", "02_amp_ac")}
+        lines += [f"Eager step time, no AC / selective / full: {t['02_amp']:.1f} / {t['02_amp_sac']:.1f} / "
+                  f"{t['02_amp_ac']:.1f} ms."]
+    if report.get("tests"):
+        tst = report["tests"]
+        lines += ["", f"Test suite with the GPU visible: {tst['summary']} ({tst['wall_s']:.0f} s)."]
+        lines += [f"- {f}" for f in tst.get("failed", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--cpu", action="store_true", help="the same runs at toy scale on the CPU (no test suite)")
+    p.add_argument("--no-tests", action="store_true", help="skip the test suite")
+    p.add_argument("--only", default="", help="the runs whose names start with this")
+    p.add_argument("--report-dir", default=None,
+                   help="where the report and figures go (default: figs/, or runs/gpu_check_cpu with --cpu)")
+    p.add_argument("--timeout", type=float, default=420, help="seconds per launch before it is stopped (default 420)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        print("error: no CUDA GPU is visible here (or this torch has no CUDA); run this on a GPU machine, or pass "
+              "--cpu for the same runs at toy scale on the CPU", file=sys.stderr)
+        return 2
+    checks = [c for c in CHECKS if c.name.startswith(args.only) and (c.toy or not args.cpu)]
+    if not checks:
+        print(f"error: no run name starts with {args.only!r}; names start with 01, 02, 1b or 03", file=sys.stderr)
+        return 2
+    device = "cpu" if args.cpu else "cuda"
+    gpus = 1 if args.cpu else torch.cuda.device_count()
+    name = "CPU" if args.cpu else torch.cuda.get_device_name(0)
+    slug = "cpu" if args.cpu else gpu_slug(name)
+    report_dir = Path(args.report_dir) if args.report_dir else (ROOT / "runs" / "gpu_check_cpu" if args.cpu
+                                                                else ROOT / "figs")
+    runs_dir = ROOT / "runs" / f"gpu_check_{slug}"
+    shutil.rmtree(runs_dir, ignore_errors=True)
+    runs_dir.mkdir(parents=True)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    start, started_at = time.perf_counter(), time.time()
+    rows = []
+    # one launch per number of ranks: the one-device runs together, then step 3 on every GPU
+    for nproc, group in ((1, [c for c in checks if not c.all_gpus]), (gpus, [c for c in checks if c.all_gpus])):
+        if not group:
+            continue
+        print(f"{len(group)} runs on {nproc} {'CPU process' if args.cpu else 'GPU'}{'es' if args.cpu and nproc > 1 else ''}"
+              f"{'' if args.cpu or nproc == 1 else 's'}: {', '.join(c.name for c in group)}", flush=True)
+        err = launch(group, nproc, group[0].all_gpus, args.cpu, device, runs_dir, args.timeout)
+        rows += [result_row(c, runs_dir, nproc, err) for c in group]
+    report = {"device": name, "gpus": gpus, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+              "runs": rows, "tests": None}
+    if not (args.cpu or args.no_tests):
+        print("the test suite, with the GPU visible ...", flush=True)
+        report["tests"] = run_tests(args.timeout)
+    report["wall_s"] = time.perf_counter() - start
+    for c in checks:  # the CUDA figures beside the CPU ones
+        png = runs_dir / c.name / "memory_trace.png"
+        if c.figure and png.exists():
+            shutil.copyfile(png, report_dir / f"{c.figure}_{'cpu_toy' if args.cpu else 'cuda_' + slug}.png")
+    (report_dir / f"gpu_check_{slug}.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = markdown(report)
+    (report_dir / f"gpu_check_{slug}.md").write_text(md)
+    print(md)
+    if report_dir.resolve() == (ROOT / "figs").resolve():  # which machine made them, and the README's copies
+        from common import figures
+        written = [p for p in report_dir.iterdir() if p.name.startswith("gpu_check_") or f"_cuda_{slug}." in p.name]
+        made = figures.record_provenance([p for p in written if p.stat().st_mtime >= started_at], device,
+                                         sys.argv[1:] if argv is None else argv, tool="python -m tools.gpu_check")
+        figures.update_readme({"figs-made-on": figures.provenance_table(made), **figures.gpu_check_report()})
+    failed = [r["name"] for r in rows if not r["ok"]]
+    tests_failed = report["tests"] is not None and not report["tests"]["ok"]
+    print(f"{len(rows) - len(failed)} of {len(rows)} runs ran"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + ("; the test suite failed" if tests_failed else "")
+          + f". Report: {(report_dir / f'gpu_check_{slug}.md').relative_to(ROOT) if report_dir.is_relative_to(ROOT) else report_dir}"
+          f" ({report['wall_s']:.0f} s)", flush=True)
+    return 1 if failed or tests_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
