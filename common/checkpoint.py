@@ -15,7 +15,7 @@ from whichever files hold it.
 The same holds for model parallelism. TP and 2-D save DTensor shards, resharded like
 FSDP's. Pipeline stages keep the full model's layer names (``layers.3...``), and each
 rank saves and loads only the names it owns, so a checkpoint from 2 stages resumes on 4
-(interleaved) or on another strategy; tests/test_resume_mp.py checks the 2 -> 4 case
+(interleaved) or on another strategy; tests/test_checkpoint.py checks the 2 -> 4 case
 (the losses match bit for bit; 3-D from 1F1B to interleaved, pp 2 x dp 1 x tp 1,
 was checked by hand the same way). The saved ``parallel`` layout is therefore not a
 reason to refuse; the model shape, batch, sequence length, seed, data and gradient
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -361,3 +363,42 @@ if __name__ == "__main__":
     p.add_argument("dest")
     a = p.parse_args()
     main_guard(export)(a.checkpoint, a.dest)
+
+
+# ---- one plain file of full weights, for inference ---------------------------------------
+def full_state_dict(modules: list[torch.nn.Module], ctx, merge_ranks: bool = False) -> dict[str, torch.Tensor] | None:
+    """Gather the trained weights back into one plain state dict on rank 0 (None elsewhere).
+
+    DTensor shards (TP, FSDP) are gathered with ``full_tensor()``. ``merge_ranks``: the
+    ranks hold different parameters (pipeline stages); rank 0 collects and merges them,
+    which works because every stage keeps the full model's parameter names. Every rank
+    must call this.
+    """
+    mine = {}
+    # 2-D (FSDP over TP) shards gather in two steps and DTensor logs that this is slow;
+    # once per checkpoint it does not matter.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, log.level = log.level, logging.ERROR
+    try:
+        for m in modules:
+            m = getattr(m, "module", m)  # DDP's wrapper: its keys would start with "module."
+            for k, v in m.state_dict().items():
+                v = v.full_tensor() if isinstance(v, DTensor) else v
+                mine[k] = v.detach().cpu()
+    finally:
+        log.setLevel(level)
+    if not merge_ranks or ctx.world_size == 1:
+        return mine if ctx.is_main else None
+    parts = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, parts, dst=0)
+    if not ctx.is_main:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def save_full_weights(modules: list[torch.nn.Module], ctx, path, merge_ranks: bool = False):
+    """``full_state_dict`` then ``torch.save`` on rank 0: the checkpoint a single process can load."""
+    state = full_state_dict(modules, ctx, merge_ranks)
+    if state is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)

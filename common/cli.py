@@ -41,6 +41,8 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--trace-start", type=int, default=1,
                    help="first recorded step, after warm-up (default: 1, the second step)")
     g.add_argument("--trace-steps", type=int, default=2, help="number of recorded steps (default: 2)")
+    g.add_argument("--save-weights", action="store_true",
+                   help="at the end, gather the trained weights into one plain file, OUT/weights.pt")
     g.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches for the validation loss at the end (default: 4; 0 skips it)")
     checkpoint.add_flags(p)
@@ -112,8 +114,8 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> a
 
     Adds ``args.amp_dtype`` (None when off) and ``args.compute_dtype`` (for MFU).
     """
-    from common.memory_savers import (AC_MODES, AMP_DTYPES, amp_unsupported, compile_unsupported,
-                                      fused_adamw_unsupported)
+    from common.parallelize.ac import AC_MODES
+    from common.training import AMP_DTYPES, amp_unsupported, compile_unsupported, fused_adamw_unsupported
 
     if hasattr(args, "amp"):
         if args.amp not in AMP_DTYPES:

@@ -81,7 +81,7 @@ def _read(files: list[Path], what: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-# The stdlib does not change while a process runs: runs that share a process (common/multirun.py)
+# The stdlib does not change while a process runs: runs that share a process (tools/multirun.py)
 # read it once. A path is read again every time, since its files may change in between.
 _CACHE: dict[str, Corpus] = {}
 

@@ -98,8 +98,16 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     """Set up this process's rank, device and process group; always tear them down.
 
     Yields a ``Dist``. Under plain ``python`` the process group has one rank (an
-    in-process store instead of torchrun's rendezvous), so the same code runs.
+    in-process store instead of torchrun's rendezvous), so the same code runs. If a
+    process group already exists (a harness that runs several scripts' ``main()`` in one
+    job, as the tests' drivers do), the script joins it and leaves it for the harness.
     """
+    if dist.is_initialized():
+        local_rank = _env_int("LOCAL_RANK", 0)
+        dev = resolve_device(device, local_rank, _env_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        yield Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend(),
+                   launched="RANK" in os.environ)
+        return
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -139,3 +147,10 @@ def require_launcher(ctx: Dist, script: str, min_world: int = 2):
     if ctx.world_size < min_world:
         raise UserError(f"{script} needs at least {min_world} ranks; launch it with "
                         f"torchrun --nproc-per-node 4 {script}")
+
+
+def launch_hint(ctx, script: str):
+    """Plain ``python`` runs these scripts as one rank (a process group of one); say so."""
+    if not ctx.launched:
+        ctx.print(f"note: plain python runs a single rank; for four, launch "
+                  f"torchrun --nproc-per-node 4 {script}")

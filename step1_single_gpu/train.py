@@ -12,14 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch.nn.functional as F
 
-from common import cli, theory
-from common.checkpoint import Checkpointer, skip_nonfinite_step
+from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
 from common.model import build_model
+from common.run import Run
 from common.training import adamw, evaluate, lr_schedule
 
 
@@ -33,16 +31,10 @@ def main():
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
-        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data)
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 1, fp32 baseline")
         batches = iter(data)
-
-        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        metrics = Metrics(args, ctx, optimizer)
-        for step in metrics.progress(start):
-            with tracer.record(step):
+        for step in run.steps():
+            with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 logits = model(x)  # (batch, seq, vocab)
@@ -53,14 +45,9 @@ def main():
                 # otherwise sit in memory through the next forward pass, on top of its
                 # activations. set_to_none (the default) frees; zeroing would keep them.
                 optimizer.zero_grad(set_to_none=True)
-            metrics.log(step, loss, traced=tracer.will_record(step))
-            scheduler.step()
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            run.log(step, loss)
 
-        val_loss = evaluate(model, corpus.val, args, ctx.device)
-        memory = tracer.save(args.out, ctx, title=f"Step 1, fp32 baseline: {args.model} model, "
-                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        metrics.finish(memory, val_loss=val_loss, predicted=theory.report(args, ctx, memory, "single"))
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 
 
 if __name__ == "__main__":

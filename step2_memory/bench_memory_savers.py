@@ -2,7 +2,7 @@
 
 Runs made one after another on a shared machine see different loads, so their step times
 cannot be compared. Here the set-ups live in one process and take turns, one step each,
-in a new random order every round (common/interleaved_bench.py); the fastest of each
+in a new random order every round (common/measure/interleaved_bench.py); the fastest of each
 set-up's steps is its time, since other jobs only ever add time.
     python step2_memory/bench_memory_savers.py --steps 10               (the chapter's table)
     python step2_memory/bench_memory_savers.py --steps 10 --speed-knobs (eager, fused AdamW, compiled)
@@ -20,10 +20,10 @@ import torch
 from common import cli
 from common.distributed import distributed
 from common.errors import UserError, main_guard
-from common.interleaved_bench import interleaved, matmul_flops, memory_saver_step
-from common.memory_savers import compile_unsupported
+from common.measure.interleaved_bench import interleaved, matmul_flops, memory_saver_step
+from common.training import compile_unsupported
 
-# The set-ups of the chapter's table, named like its runs (common/figures.py CHAPTER2).
+# The set-ups of the chapter's table, named like its runs (tools/figures.py CHAPTER2).
 SAVERS = {"baseline": {}, "amp": {"amp": "bf16"}, "amp_sac": {"amp": "bf16", "ac": "selective"},
           "amp_ac": {"amp": "bf16", "ac": "full"}, "accum_fp32": {"grad_accum": 4},
           "amp_ac_accum": {"amp": "bf16", "ac": "full", "grad_accum": 4}}

@@ -21,10 +21,9 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.memory import MemoryTracer
-from common.memory_savers import apply_ac
-from common.metrics import Metrics
+from common.parallelize.ac import apply_ac
 from common.model import build_model
+from common.run import Run
 from common.training import adamw, evaluate, lr_schedule
 
 
@@ -34,10 +33,10 @@ def main():
     cli.add_amp_flags(p)
     cli.add_ac_flags(p)
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         cli.check_memory_savers(args, ctx.device)
         corpus = load_corpus(args.data, seed=args.seed)
-        batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         # Per transformer block, from outside the model, and before torch.compile (which
@@ -54,11 +53,11 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        metrics = Metrics(args, ctx, optimizer, dtype=args.compute_dtype)
-        for step in metrics.progress():
-            with tracer.record(step):
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None, dtype=args.compute_dtype,
+                  title=f"Step 2, AMP {args.amp} + {args.ac} AC")
+        batches = iter(data)
+        for step in run.steps():
+            with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 # Only the forward pass and the loss go under autocast; backward runs each op
@@ -74,13 +73,9 @@ def main():
                 # otherwise sit in memory through the next forward pass, on top of its
                 # activations. set_to_none (the default) frees; zeroing would keep them.
                 optimizer.zero_grad(set_to_none=True)
-            metrics.log(step, loss, traced=tracer.will_record(step), loss_scale=scaler.get_scale())
-            scheduler.step()
+            run.log(step, loss, loss_scale=scaler.get_scale())
 
-        val_loss = evaluate(model, corpus.val, args, ctx.device)
-        memory = tracer.save(args.out, ctx, title=f"Step 2, AMP {args.amp} + {args.ac} AC: {args.model} model, "
-                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        metrics.finish(memory, val_loss=val_loss)
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
     torchrun --nproc-per-node 4 step3_multi_gpu/compare_comm_hooks.py --model small --steps 60
 
 DDP spends its communication on one thing: all-reducing 4 bytes of fp32 gradient per
-parameter every step. A communication hook (common/comm_hooks.py) changes what is sent:
+parameter every step. A communication hook (common/parallelize/comm_hooks.py) changes what is sent:
 fp16/bf16 send half, PowerSGD sends two thin rank-r matrices per weight matrix. This
 script trains the model from the same seed on the same batches with each hook in turn,
-counts the bytes DDP all-reduces at every step (common/comm.py), checks them against
+counts the bytes DDP all-reduces at every step (common/measure/comm.py), checks them against
 the formula, and draws loss and bytes per step for all hooks in one figure.
 
 One training run uses one hook through the same flag: ``train_ddp.py --comm-hook fp16``.
@@ -25,14 +25,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import cli
-from common.bench import fmt_size
-from common.comm import CommCounter
-from common.comm_hooks import (BF16_REFUSED, add_comm_hook_flag, all_reduce_bytes, bf16_hook_supported,
+from common.measure.bench import fmt_size
+from common.measure.comm import CommCounter
+from common.parallelize.comm_hooks import (BF16_REFUSED, add_comm_hook_flag, all_reduce_bytes, bf16_hook_supported,
                                check_comm_hook, powersgd_options, register_comm_hook)
 from common.data import Batches, load_corpus
 from common.distributed import distributed, require_launcher
 from common.errors import main_guard
-from common.metrics import Metrics
+from common.measure.metrics import Metrics
 from common.model import build_model
 from common.training import adamw, evaluate, lr_schedule
 

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 
-from common.bench import GB, fmt_size, message_sizes, time_collective
-from common.comm import CommCounter
+from common.measure.bench import GB, fmt_size, message_sizes, time_collective
+from common.measure.comm import CommCounter
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
 

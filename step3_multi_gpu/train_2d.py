@@ -19,18 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from common import cli, theory
-from common.checkpoint import Checkpointer, skip_nonfinite_step
+from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
-from common.parallel import launch_hint
 from common.errors import UserError, main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
 from common.model import Transformer
-from common.parallel import apply_fsdp, trace_fsdp_memory
-from common.model_parallel import StepComm, apply_tp, check_tp, global_loss, save_full_weights
-from common.training import adamw, evaluate, lr_schedule
+from common.parallelize.fsdp import apply_fsdp
+from common.parallelize.tp import apply_tp, check_tp
+from common.run import Run
+from common.training import adamw, evaluate, global_loss, lr_schedule
 
 
 @main_guard
@@ -40,10 +37,8 @@ def main():
                    help="tensor-parallel degree, the inner mesh dimension (default: 2, or 1 on an odd world size)")
     p.add_argument("--dp", type=int, default=None, help="FSDP degree, the outer dimension (default: world size / tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
-    p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        launch_hint(ctx, "step3_multi_gpu/train_2d.py")
         if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")
         args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)
@@ -65,19 +60,13 @@ def main():
         model.init_weights(args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
         # FSDP x TP shards are DTensors on a 2-D mesh; DCP reshards them to any other mesh.
-        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data, parallel={"dp": dp, "tp": args.tp})
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="2d",
+                  title=f"2-D parallel, FSDP {dp} x TP {args.tp}", parallel={"dp": dp, "tp": args.tp},
+                  predict=dict(tp=args.tp, sequence_parallel=args.sequence_parallel))
         batches = iter(data)
-
-        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        trace_fsdp_memory(tracer, model)  # FSDP's gathered weights count as parameters
-        metrics = Metrics(args, ctx, optimizer, parallel={"dp": dp, "tp": args.tp})
-        comm = StepComm()
-        for step in metrics.progress(start):
-            with tracer.record(step), comm.count(step):
+        for step in run.steps():
+            with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 logits = model(x)  # split over the vocabulary along tp
@@ -87,19 +76,11 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # Each TP group's loss is the mean over its share of the batch; average over dp.
-            metrics.log(step, global_loss(loss, mesh["dp"].get_group(), dp), traced=tracer.will_record(step))
-            scheduler.step()
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            run.log(step, global_loss(loss, mesh["dp"].get_group(), dp))
 
         with loss_parallel():
             val_loss = evaluate(model, corpus.val, args, ctx.device)
-        memory = tracer.save(args.out, ctx, title=f"2-D parallel, FSDP {dp} x TP {args.tp}: {args.model} model, "
-                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        if args.save_weights:
-            save_full_weights([model], ctx, args.out / "weights.pt")
-        metrics.finish(memory, val_loss=val_loss, sequence_parallel=args.sequence_parallel,
-                       comm=comm.summary(), predicted=theory.report(
-                           args, ctx, memory, "2d", tp=args.tp, sequence_parallel=args.sequence_parallel))
+        run.finish(val_loss=val_loss, sequence_parallel=args.sequence_parallel)
 
 
 if __name__ == "__main__":

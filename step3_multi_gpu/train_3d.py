@@ -23,18 +23,16 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from common import cli
-from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import Batches, load_corpus
 from common.distributed import distributed
-from common.parallel import launch_hint
 from common.errors import UserError, main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
-from common.parallel import apply_fsdp, trace_fsdp_memory
-from common.model_parallel import (SCHEDULES, StepComm, apply_tp, build_stage, check_pp, check_tp,
-                                   global_loss, make_schedule, pipeline_evaluate, pipeline_loss, save_full_weights,
-                                   stage_indices, stage_layers)
-from common.training import adamw, lr_schedule
+from common.measure.theory import stage_layers
+from common.parallelize.fsdp import apply_fsdp
+from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedule, pipeline_evaluate, pipeline_loss,
+                                   stage_indices)
+from common.parallelize.tp import apply_tp, check_tp
+from common.run import Run
+from common.training import adamw, global_loss, lr_schedule
 
 
 def default_layout(args, world: int):
@@ -58,10 +56,8 @@ def main():
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, the inner dimension (default: from the world size)")
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
-    p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        launch_hint(ctx, "step3_multi_gpu/train_3d.py")
         default_layout(args, ctx.world_size)
         if min(args.pp, args.dp, args.tp) <= 0:
             raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
@@ -91,22 +87,14 @@ def main():
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
-        # This rank's stages (two with interleaved1f1b) share one optimizer: one part. Their
-        # layers keep the full model's names, so the checkpoint does not depend on the split.
-        ckpt = Checkpointer(args, ctx, [(models, optimizer)], scheduler, data,
-                            parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages})
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
+        # the full model's names, so the checkpoint does not depend on the split.
+        run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
+                  title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
+                  parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages})
         batches = iter(data)
-
-        tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        for m in models:
-            trace_fsdp_memory(tracer, m)  # FSDP's gathered weights count as parameters
-        metrics = Metrics(args, ctx, optimizer, parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp})
-        comm = StepComm()
-        for step in metrics.progress(start):
-            with tracer.record(step), comm.count(step):
+        for step in run.steps():
+            with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 losses = []
@@ -116,21 +104,12 @@ def main():
             # The last stage's loss, shared along the pipeline, then averaged over the replicas.
             loss = global_loss(pipeline_loss(losses, args.pp - 1, ctx.device, mesh["pp"].get_group()),
                                mesh["dp"].get_group(), args.dp)
-            metrics.log(step, loss, traced=tracer.will_record(step))
-            scheduler.step()
-            # metrics.last_loss is the last stage's loss, broadcast along the pipeline: every
-            # rank checks and records the same value.
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            run.log(step, loss)
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, args.pp - 1,
                                      mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)
-        memory = tracer.save(args.out, ctx, title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} "
-                             f"({args.schedule}): {args.model} model, batch {args.global_batch_size} x "
-                             f"{args.seq_len} tokens, {ctx.device.type}")
-        if args.save_weights:
-            save_full_weights(models, ctx, args.out / "weights.pt", merge_ranks=True)
-        metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
-                       stage_layers=stage_layers(args.model_config.n_layers, n_stages), comm=comm.summary())
+        run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
+                   stage_layers=stage_layers(args.model_config.n_layers, n_stages))
 
 
 if __name__ == "__main__":

@@ -20,17 +20,15 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import cli, comm_hooks, theory
-from common.checkpoint import Checkpointer, skip_nonfinite_step
-from common.comm import CommCounter
+from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
 from common.model import build_model
-from common.parallel import ddp_no_buffer_sync, gather_comm, global_mean, launch_hint, micro_batch_size, print_comm
-from common.training import adamw, adamw_options, evaluate, lr_schedule
+from common.parallelize import comm_hooks
+from common.parallelize.ddp import ddp_no_buffer_sync
+from common.run import Run
+from common.training import adamw, adamw_options, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard
@@ -43,7 +41,6 @@ def main(argv=None):
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        launch_hint(ctx, "step3_multi_gpu/train_ddp.py")
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
         corpus = load_corpus(args.data, seed=args.seed)
@@ -67,22 +64,18 @@ def main(argv=None):
         else:
             optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        strategy = "zero1" if args.zero1 else "ddp"
         # ZeRO-1's AdamW state lives in an inner optimizer over this rank's partition: each
-        # rank checkpoints its own part, by parameter name, so any world size can load it.
-        inner = optimizer.optim if args.zero1 else optimizer
-        ckpt = Checkpointer(args, ctx, [(model, inner)], scheduler, data, parallel={"dp": mesh.size()})
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        # rank checkpoints its own part (by parameter name, so any world size can load it),
+        # and the memory tracer is shown where it is.
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=strategy,
+                  title="Step 3a, " + ("DDP + ZeRO-1" if args.zero1 else "DDP"),
+                  parallel={"dp": mesh.size()}, predict={"accum": args.grad_accum_steps},
+                  ckpt_optimizer=optimizer.optim if args.zero1 else None,
+                  sources=[lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else [])
         batches = iter(data)
-
-        # ZeroRedundancyOptimizer keeps its state in an inner optimizer: show it to the tracer.
-        sources = [lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else []
-        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps, sources=sources)
-        comm = CommCounter()
-        metrics = Metrics(args, ctx, optimizer, parallel={"dp": mesh.size()})
-        for step in metrics.progress(start):
-            with tracer.record(step), comm:
+        for step in run.steps():
+            with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum_steps):
                     x, y = next(batches)
@@ -100,18 +93,9 @@ def main(argv=None):
                 # them to None would free nothing, only hide where the 4N bytes are (from the
                 # memory trace too). Zero them instead.
                 optimizer.zero_grad(set_to_none=False)
-            metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
-            scheduler.step()
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            run.log(step, global_loss(step_loss, dp_size=ctx.world_size))  # each rank saw its own data
 
-        val_loss = evaluate(model, corpus.val, args, ctx.device)
-        what = "DDP + ZeRO-1" if args.zero1 else "DDP"
-        memory = tracer.save(args.out, ctx, title=f"Step 3a, {what} on {ctx.world_size} ranks: {args.model} model, "
-                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        comm_by_rank = gather_comm(comm, ctx, args.steps)
-        metrics.finish(memory, val_loss=val_loss, strategy="zero1" if args.zero1 else "ddp", comm=comm_by_rank,
-                       predicted=theory.report(args, ctx, memory, "zero1" if args.zero1 else "ddp", accum=args.grad_accum_steps))
-        print_comm(ctx, comm_by_rank, metrics.n_params)
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 
 
 if __name__ == "__main__":

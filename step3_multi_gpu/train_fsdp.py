@@ -20,19 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.nn.functional as F
 
-from common import cli, theory
-from common.checkpoint import Checkpointer, skip_nonfinite_step
-from common.comm import CommCounter
+from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
 from common.model import Transformer
-from common.memory_savers import apply_ac
-from common.parallel import (apply_fsdp, gather_comm, global_mean, launch_hint,
-                             micro_batch_size, print_comm, trace_fsdp_memory)
-from common.training import adamw, evaluate, lr_schedule
+from common.parallelize.ac import apply_ac
+from common.parallelize.fsdp import apply_fsdp
+from common.run import Run
+from common.training import adamw, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard
@@ -54,7 +50,6 @@ def main(argv=None):
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
     args = cli.parse(p, argv)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        launch_hint(ctx, "step3_multi_gpu/train_fsdp.py")
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
@@ -77,22 +72,20 @@ def main(argv=None):
         model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
         optimizer = adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
-        # Each rank saves only its shards (DTensors); a run on another number of ranks
+        what = (f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP") + \
+            (" ZeRO-3" if args.reshard_after_forward else " ZeRO-2") + \
+            (", bf16" if args.mixed_precision else "") + (", activation checkpointing" if args.activation_checkpointing else "")
+        dtype = "bf16" if args.mixed_precision else "fp32"
+        # Each rank checkpoints only its shards (DTensors); a run on another number of ranks
         # reads its new shards from whichever files hold them.
-        ckpt = Checkpointer(args, ctx, [(model, optimizer)], scheduler, data,
-                            parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)))
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, title=f"Step 3a, {what}",
+                  strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
+                  parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), dtype=dtype,
+                  predict=dict(shard=args.hsdp and args.hsdp[1], accum=args.grad_accum_steps, dtype=dtype,
+                               ac="full" if args.activation_checkpointing else "none"))
         batches = iter(data)
-
-        tracer = MemoryTracer(model, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        trace_fsdp_memory(tracer, model)  # FSDP's gathered parameters count as parameters
-        comm = CommCounter()
-        metrics = Metrics(args, ctx, optimizer, parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)),
-                          dtype="bf16" if args.mixed_precision else "fp32")
-        for step in metrics.progress(start):
-            with tracer.record(step), comm:
+        for step in run.steps():
+            with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum_steps):
                     x, y = next(batches)
@@ -108,23 +101,9 @@ def main(argv=None):
                 # Unlike DDP's buckets, the sharded gradients are ordinary tensors: freeing
                 # them keeps 4N/W bytes out of the next forward pass.
                 optimizer.zero_grad(set_to_none=True)
-            metrics.log(step, global_mean(step_loss), traced=tracer.will_record(step))
-            scheduler.step()
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            run.log(step, global_loss(step_loss, dp_size=ctx.world_size))  # each rank saw its own data
 
-        val_loss = evaluate(model, corpus.val, args, ctx.device)
-        what = f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP"
-        what += " ZeRO-3" if args.reshard_after_forward else " ZeRO-2"
-        what += ", bf16" if args.mixed_precision else ""
-        what += ", activation checkpointing" if args.activation_checkpointing else ""
-        memory = tracer.save(args.out, ctx, title=f"Step 3a, {what} on {ctx.world_size} ranks: {args.model} model, "
-                             f"batch {args.global_batch_size} x {args.seq_len} tokens, {ctx.device.type}")
-        comm_by_rank = gather_comm(comm, ctx, args.steps)
-        strategy = ("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2")
-        metrics.finish(memory, val_loss=val_loss, strategy=strategy, comm=comm_by_rank, predicted=theory.report(
-            args, ctx, memory, strategy, shard=args.hsdp and args.hsdp[1], accum=args.grad_accum_steps,
-            dtype="bf16" if args.mixed_precision else "fp32", ac="full" if args.activation_checkpointing else "none"))
-        print_comm(ctx, comm_by_rank, metrics.n_params)
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 
 
 if __name__ == "__main__":

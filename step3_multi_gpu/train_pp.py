@@ -21,17 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from common import cli, theory
-from common.checkpoint import Checkpointer, skip_nonfinite_step
+from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
-from common.parallel import launch_hint
 from common.errors import main_guard
-from common.memory import MemoryTracer
-from common.metrics import Metrics
-from common.model_parallel import (SCHEDULES, ComputeTimer, StepComm, build_stage, bubble_report, check_pp,
-                                   make_schedule, pipeline_evaluate, pipeline_loss, save_full_weights,
-                                   stage_indices, stage_layers)
+from common.measure.pipeline import ComputeTimer, bubble_report
+from common.measure.theory import stage_layers
+from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedule, pipeline_evaluate, pipeline_loss,
+                                   stage_indices)
+from common.run import Run
 from common.training import adamw, lr_schedule
 
 
@@ -45,10 +43,8 @@ def main():
     p = cli.parser(__doc__)
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default: 4)")
-    p.add_argument("--save-weights", action="store_true", help="gather the trained weights into OUT/weights.pt")
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        launch_hint(ctx, "step3_multi_gpu/train_pp.py")
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
         corpus = load_corpus(args.data, seed=args.seed)
@@ -65,21 +61,15 @@ def main():
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
-        # This rank's stages (two with interleaved1f1b) share one optimizer: one part. Their
-        # layers keep the full model's names, so the checkpoint does not depend on the split.
-        ckpt = Checkpointer(args, ctx, [(models, optimizer)], scheduler, data,
-                            parallel={"pp": pp, "stages": n_stages})
-        start = ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
+        # the full model's names, so the checkpoint does not depend on the split.
+        run = Run(args, ctx, models, optimizer, scheduler, data, strategy="pp", parallel={"pp": pp},
+                  title=f"Pipeline parallel ({args.schedule}, {args.microbatches} micro-batches)",
+                  predict=dict(microbatches=args.microbatches, schedule=args.schedule))
         batches = iter(data)
-
-        tracer = MemoryTracer(models, optimizer, ctx.device, enabled=args.trace_memory,
-                              start=args.trace_start, steps=args.trace_steps)
-        metrics = Metrics(args, ctx, optimizer, parallel={"pp": pp})
-        comm = StepComm()
         timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
-        for step in metrics.progress(start):
-            with tracer.record(step), comm.count(step):
+        for step in run.steps():
+            with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 losses = []  # filled on the last stage, one loss per micro-batch
@@ -87,24 +77,13 @@ def main():
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            metrics.log(step, pipeline_loss(losses, pp - 1, ctx.device), traced=tracer.will_record(step),
-                        **timer.take())
-            scheduler.step()
-            # metrics.last_loss is the last stage's loss, broadcast along the pipeline: every
-            # rank checks and records the same value.
-            ckpt.end_step(step, metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            # The last stage's loss, broadcast along the pipeline: every rank logs the same.
+            run.log(step, pipeline_loss(losses, pp - 1, ctx.device), **timer.take())
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, pp - 1)
-        memory = tracer.save(args.out, ctx, title=f"Pipeline parallel ({args.schedule}, {args.microbatches} "
-                             f"micro-batches) on {pp} ranks: {args.model} model, batch {args.global_batch_size} "
-                             f"x {args.seq_len} tokens, {ctx.device.type}")
-        if args.save_weights:
-            save_full_weights(models, ctx, args.out / "weights.pt", merge_ranks=True)
-        bubble = bubble_report(metrics, ctx, args.schedule, pp, args.microbatches)
-        metrics.finish(memory, val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
-                       stage_layers=stage_layers(args.model_config.n_layers, n_stages),
-                       comm=comm.summary(), bubble=bubble, predicted=theory.report(
-                           args, ctx, memory, "pp", microbatches=args.microbatches, schedule=args.schedule))
+        bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches)
+        run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
+                   stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)
 
 
 if __name__ == "__main__":

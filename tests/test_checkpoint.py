@@ -1,18 +1,43 @@
-"""Checkpoints, exact resume, elastic restart and damaged checkpoints, on step 1."""
+"""Checkpoints: exact resume, elastic restarts, resharding across world sizes and strategies,
+damaged checkpoints and bad input, from step 1 to 3-D parallelism (gloo on CPU).
+
+Three parts, each launching as few processes as it can:
+- step 1: an uninterrupted run and one killed at step 3 and restarted by torchrun;
+- the data-parallel family (DDP, ZeRO-1, FSDP): two torchrun jobs (tests/drivers/resume.py
+  runs many scripts' main() in each), two nodes on one machine, and misuse in this process;
+- the model-parallel family: a 1F1B pipeline killed under ``torchrun --max-restarts 1`` and a
+  TP run resumed from a copied checkpoint give the losses of runs never interrupted; the 2-D
+  script on a real 2 x 2 mesh and the 3-D script as pipelines of TP pairs and of FSDP pairs
+  resume bit for bit; a pipeline checkpoint loads into another number of stages.
+Sizes: debug model, 32 tokens, global batch 4, a checkpoint every 2 steps.
+"""
+import contextlib
+import importlib.util
+import io
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from common.checkpoint import complete_checkpoints
+from common.checkpoint import Checkpointer, complete_checkpoints, export, skip_nonfinite_step
+from common.data import load_corpus
+from common.distributed import distributed
+from common.errors import UserError
 from common.model import Transformer, get_config
 from conftest import ROOT
 
-SCRIPT = str(ROOT / "step1_single_gpu" / "train.py")
-FLAGS = ["--model", "debug", "--steps", "6", "--seq-len", "32", "--global-batch-size", "4", "--device", "cpu",
+
+# ==== step 1 ===================================================================================
+STEP1_SCRIPT = str(ROOT / "step1_single_gpu" / "train.py")
+STEP1_FLAGS = ["--model", "debug", "--steps", "6", "--seq-len", "32", "--global-batch-size", "4", "--device", "cpu",
          "--no-trace-memory", "--eval-batches", "0", "--ckpt-every", "2"]
 
 
@@ -25,21 +50,21 @@ def _run(cmd, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def step1_runs(tmp_path_factory):
     """An uninterrupted run, and one that crashes at step 3 and is restarted by torchrun."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    plain = subprocess.Popen([sys.executable, SCRIPT, *FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
+    plain = subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     elastic = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                    "--max-restarts", "1", SCRIPT, *FLAGS, "--resume", "--fail-at-step", "3",
+                    "--max-restarts", "1", STEP1_SCRIPT, *STEP1_FLAGS, "--resume", "--fail-at-step", "3",
                     "--out", str(tmp / "elastic")])
     out, err = plain.communicate(timeout=180)
     assert plain.returncode == 0, err[-2000:]
     return tmp, elastic
 
 
-def test_elastic_restart_resumes_exactly(runs):
-    tmp, elastic = runs
+def test_elastic_restart_resumes_exactly(step1_runs):
+    tmp, elastic = step1_runs
     assert elastic.returncode == 0, elastic.stderr[-3000:]
     assert "crashing on purpose" in elastic.stdout           # it really died once
     assert "resumed from" in elastic.stdout and "step_00000003" in elastic.stdout
@@ -50,8 +75,8 @@ def test_elastic_restart_resumes_exactly(runs):
     assert not list((tmp / "elastic" / "checkpoints").glob("*_partial"))
 
 
-def test_a_partial_checkpoint_is_never_loaded(runs, tmp_path):
-    tmp, _ = runs
+def test_a_partial_checkpoint_is_never_loaded(step1_runs, tmp_path):
+    tmp, _ = step1_runs
     out = tmp_path / "run"
     shutil.copytree(tmp / "plain", out)
     ckpts = out / "checkpoints"
@@ -61,8 +86,8 @@ def test_a_partial_checkpoint_is_never_loaded(runs, tmp_path):
     assert complete_checkpoints(ckpts)[-1].name == "step_00000005"
 
 
-def test_export_gives_a_plain_file_with_the_trained_weights(runs, tmp_path):
-    tmp, _ = runs
+def test_export_gives_a_plain_file_with_the_trained_weights(step1_runs, tmp_path):
+    tmp, _ = step1_runs
     dest = tmp_path / "model.pt"
     r = _run([sys.executable, "-m", "common.checkpoint", "export",
               str(tmp / "plain" / "checkpoints" / "step_00000005"), str(dest)])
@@ -74,8 +99,8 @@ def test_export_gives_a_plain_file_with_the_trained_weights(runs, tmp_path):
     assert not torch.equal(model.tok_embeddings.weight, torch.zeros_like(model.tok_embeddings.weight))
 
 
-def test_damaged_or_mismatched_checkpoints_are_clear_errors(runs, tmp_path):
-    tmp, _ = runs
+def test_damaged_or_mismatched_checkpoints_are_clear_errors(step1_runs, tmp_path):
+    tmp, _ = step1_runs
     broken = tmp_path / "broken"
     shutil.copytree(tmp / "plain", broken)
     newest = broken / "checkpoints" / "step_00000005"
@@ -83,13 +108,13 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(runs, tmp_path):
     data.write_bytes(data.read_bytes()[:100])  # truncated, as a full disk leaves it
     before = {p.name: p.stat().st_size for p in newest.iterdir()}
     procs = {
-        "truncated": subprocess.Popen([sys.executable, SCRIPT, *FLAGS, "--steps", "8", "--resume",
+        "truncated": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--steps", "8", "--resume",
                                        "--out", str(broken)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                       stdout=subprocess.DEVNULL),
-        "other model": subprocess.Popen([sys.executable, SCRIPT, *FLAGS, "--n-layers", "2", "--resume",
+        "other model": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--n-layers", "2", "--resume",
                                          "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
                                         text=True, stdout=subprocess.DEVNULL),
-        "other batch": subprocess.Popen([sys.executable, SCRIPT, *FLAGS, "--global-batch-size", "8", "--resume",
+        "other batch": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--global-batch-size", "8", "--resume",
                                          "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
                                         text=True, stdout=subprocess.DEVNULL),
     }
@@ -107,6 +132,401 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(runs, tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_and_rank(tmp_path):
-    r = _run([sys.executable, SCRIPT, *FLAGS, "--lr", "1e6", "--ckpt-every", "0", "--out", str(tmp_path)])
+    r = _run([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--lr", "1e6", "--ckpt-every", "0", "--out", str(tmp_path)])
     assert r.returncode == 2
     assert "error: the loss is nan at step" in r.stderr and "(rank 0)" in r.stderr
+
+
+# ==== the data-parallel family ==================================================================
+B = ["--global-batch-size", "4", "--steps", "6", "--no-trace-memory"]
+C = ["--ckpt-every", "2", "--ckpt-keep", "3"]
+STEPS = [str(s) for s in range(6)]
+
+# Job 1, two "nodes" x 2 ranks (two torchrun launches, one c10d rendezvous on localhost).
+TWO_NODES = {
+    "reference": {"script": "step1", "flags": B},  # single-process step 1, on every rank
+    "ddp4": {"script": "ddp", "flags": B},
+    "fsdp4": {"script": "fsdp", "flags": B + C},
+    "zero1_4": {"script": "ddp", "flags": B + C + ["--zero1"]},
+}
+# Job 2, 2 ranks under torchrun --max-restarts 2: two runs crash once each.
+R = B + C + ["--resume"]
+ELASTIC = {
+    "ddp": {"script": "ddp", "flags": B + C},
+    "fsdp": {"script": "fsdp", "flags": B + C},
+    "ddp_fault": {"script": "ddp", "flags": R + ["--fail-at-step", "4"]},
+    "fsdp_fault": {"script": "fsdp", "flags": R + ["--fail-at-step", "4", "--fail-rank", "1"]},
+    # another world size
+    "fsdp_from_fsdp4": {"script": "fsdp", "flags": R, "from": ["fsdp4", 3]},
+    "zero1_from_zero1_4": {"script": "ddp", "flags": R + ["--zero1"], "from": ["zero1_4", 3]},
+    # another strategy
+    "fsdp_from_ddp": {"script": "fsdp", "flags": R, "from": ["ddp", 3]},
+    "ddp_from_fsdp": {"script": "ddp", "flags": R, "from": ["fsdp", 3]},
+    "ddp_from_zero1_4": {"script": "ddp", "flags": R, "from": ["zero1_4", 3]},
+    "offload_from_fsdp": {"script": "fsdp", "flags": R + ["--cpu-offload"], "from": ["fsdp", 3]},
+    # data that is not UTF-8: bytes are tokens, nothing to decode
+    "non_utf8": {"script": "ddp", "flags": B + ["--steps", "2", "--data", "NON_UTF8"]},
+    # NaN: stop with the step and rank, or skip the update
+    "nan_stop": {"script": "ddp", "flags": B + ["--lr", "1e6"]},
+    "nan_skip": {"script": "ddp", "flags": B + ["--steps", "3", "--lr", "1e6", "--on-nan", "skip"]},
+    # misuse: each one sentence, exit 2, the checkpoint left as it was
+    "bad_accum": {"script": "ddp", "flags": R + ["--grad-accum-steps", "2"], "from": ["ddp", 3]},
+    "bad_preset": {"script": "fsdp", "flags": R + ["--n-layers", "1"], "from": ["fsdp4", 3]},
+    "bad_truncated": {"script": "fsdp", "flags": R, "from": ["fsdp4", 3], "damage": "truncate"},
+    "bad_meta": {"script": "ddp", "flags": R, "from": ["ddp", 3], "damage": "meta"},
+    "bad_finished": {"script": "fsdp", "flags": R + ["--steps", "4"], "from": ["fsdp", 3]},
+}
+ERRORS = {
+    "nan_stop": "error: the loss is nan at step",
+    "bad_accum": "was trained with --grad-accum-steps 1, this run asks for 2; use the same value",
+    "bad_preset": "holds a 'debug' model with a different shape than --model debug",
+    "bad_truncated": "step_00000003 cannot be read",
+    "bad_meta": "meta.json cannot be read (UnicodeDecodeError)",
+    "bad_finished": "is at step 3, the last of --steps 4 or past it: nothing is left to train",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _results(folder: Path, plan: dict) -> dict:
+    return {name: json.loads((folder / f"{name}.json").read_text()) for name in plan}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume")
+    env = dict(os.environ, PORT=str(_free_port()), NPROC="2",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this python's torchrun
+    r = subprocess.run(["bash", "step4_multi_node/two_nodes_on_one_machine.sh", "tests/drivers/resume.py",
+                        str(folder), json.dumps(TWO_NODES)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    two_nodes = _results(folder, TWO_NODES)
+
+    data = folder / "non_utf8.txt"
+    data.write_bytes(bytes(range(256)) * 64 + "caf\u00e9 na\u00efve".encode("latin-1") * 500)
+    plan = json.loads(json.dumps(ELASTIC).replace("NON_UTF8", str(data)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "2", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("crashing on purpose") == 2, r.stdout[-3000:]
+    elastic = _results(folder, ELASTIC)
+    for name, res in {**two_nodes, **elastic}.items():
+        expected = 2 if name in ERRORS else 0
+        assert res["code"] == expected, f"{name}: {res['stderr']}"
+    return SimpleNamespace(folder=folder, two_nodes=two_nodes, elastic=elastic)
+
+
+def _close(a: dict, b: dict, steps, rtol: float):
+    for s in steps:
+        assert a[s] == pytest.approx(b[s], rel=rtol), (s, a[s], b[s])
+
+
+def test_two_nodes_on_one_machine_match_step1(jobs):
+    """2 launches x 2 ranks = world 4 through c10d rendezvous; DDP's loss is step 1's."""
+    ref = jobs.two_nodes["reference"]["losses"]
+    assert list(ref) == STEPS
+    for name in ("ddp4", "fsdp4", "zero1_4"):
+        _close(jobs.two_nodes[name]["losses"], ref, STEPS, 1e-5)
+
+
+def test_killed_and_restarted_runs_continue_exactly(jobs):
+    """torchrun --max-restarts: rank 0 (DDP) / rank 1 (FSDP) dies after step 4; the job
+    restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit."""
+    e = jobs.elastic
+    for faulty, plain in (("ddp_fault", "ddp"), ("fsdp_fault", "fsdp")):
+        assert e[faulty]["restarted"] and e[faulty]["job_attempt"] >= 1  # it really died
+        assert e[faulty]["losses"] == e[plain]["losses"]  # all six steps, no gap, no repeat
+        assert e[faulty]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
+
+
+def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
+    e, four = jobs.elastic, jobs.two_nodes
+    # FSDP 4 ranks -> 2 ranks, ZeRO-1 4 -> 2: the same global batch, so the same losses
+    _close(e["fsdp_from_fsdp4"]["losses"], four["fsdp4"]["losses"], ["4", "5"], 1e-5)
+    _close(e["zero1_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], 1e-5)
+    assert list(e["fsdp_from_fsdp4"]["losses"]) == ["4", "5"]  # it started at step 4
+    # DDP <-> FSDP, FSDP -> FSDP with CPU offload: one checkpoint format
+    for name, src in (("fsdp_from_ddp", "ddp"), ("ddp_from_fsdp", "fsdp"), ("offload_from_fsdp", "fsdp")):
+        _close(e[name]["losses"], e[src]["losses"], ["4", "5"], 1e-6)
+    # ZeRO-1 on 4 ranks (each rank saved its quarter of AdamW's state) -> plain DDP on 2
+    _close(e["ddp_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], 1e-5)
+
+
+def test_export_gives_one_plain_file(jobs, tmp_path):
+    """Sharded by 4 FSDP ranks or whole on 2 DDP ranks: the same weights, one torch.save file."""
+    weights = {}
+    for run in ("fsdp4", "ddp"):
+        dest = tmp_path / f"{run}.pt"
+        export(str(jobs.folder / run / "checkpoints" / "step_00000005"), str(dest))
+        saved = torch.load(dest, weights_only=False)
+        model = Transformer(get_config("debug"))
+        model.load_state_dict(saved["model"])  # strict: every weight, full shapes
+        assert saved["step"] == 5 and saved["model_config"] == get_config("debug").as_dict()
+        weights[run] = saved["model"]
+    for k, v in weights["ddp"].items():
+        torch.testing.assert_close(weights["fsdp4"][k], v, rtol=1e-5, atol=1e-6)
+    # export never overwrites, and a damaged checkpoint is one sentence
+    before = (tmp_path / "ddp.pt").read_bytes()
+    with pytest.raises(UserError, match="already exists"):
+        export(str(jobs.folder / "ddp" / "checkpoints" / "step_00000005"), str(tmp_path / "ddp.pt"))
+    assert (tmp_path / "ddp.pt").read_bytes() == before
+    with pytest.raises(UserError, match="cannot be read"):
+        export(str(jobs.folder / "bad_truncated" / "checkpoints" / "step_00000003"), str(tmp_path / "x.pt"))
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        export(str(jobs.folder / "ddp"), str(tmp_path / "y.pt"))
+    assert not list(tmp_path.glob("x.pt*")) and not list(tmp_path.glob("y.pt*"))
+
+
+def test_non_utf8_data_trains(jobs):
+    assert list(jobs.elastic["non_utf8"]["losses"]) == ["0", "1"]
+
+
+def test_nan_stop_names_step_and_rank_and_skip_goes_on(jobs):
+    stop = jobs.elastic["nan_stop"]
+    lines = [line for line in stop["stderr"].splitlines() if "error:" in line]
+    assert lines and all("(rank " in line and "--on-nan skip" in line for line in lines), stop["stderr"]
+    skip = jobs.elastic["nan_skip"]
+    assert list(skip["losses"]) == ["0", "1", "2"]
+    assert "non-finite gradients: skipping this step's update" in skip["stdout"]
+
+
+def test_misuse_is_one_sentence_and_leaves_checkpoints_alone(jobs):
+    for name, text in ERRORS.items():
+        res = jobs.elastic[name]
+        lines = [line for line in res["stderr"].splitlines() if "step/s" not in line and line.strip()]
+        assert lines and all(line.startswith("[rank ") for line in lines), (name, res["stderr"])
+        assert text in lines[-1], (name, res["stderr"])
+    for name, src in (("bad_accum", "ddp"), ("bad_preset", "fsdp4"), ("bad_finished", "fsdp")):
+        mine = jobs.folder / name / "checkpoints" / "step_00000003"
+        theirs = jobs.folder / src / "checkpoints" / "step_00000003"
+        assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        for p in mine.iterdir():
+            assert p.read_bytes() == (theirs / p.name).read_bytes(), (name, p.name)
+        assert jobs.elastic[name]["checkpoints"] == ["step_00000003"]  # nothing new, nothing removed
+
+
+# ---- in this process: argument checks, the NaN-skip hook, resharding limits --------------
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_flags", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BASE = ["--model", "debug", "--seq-len", "32", "--steps", "2", "--global-batch-size", "2", "--device", "cpu",
+        "--no-trace-memory", "--eval-batches", "0", "--data", "synthetic"]
+MISUSE = [  # (script, flags, the sentence)
+    ("ddp", ["--lr", "-1"], "--lr must be a positive number (got -1.0)."),
+    ("ddp", ["--lr", "inf"], "--lr must be a positive number (got inf)."),
+    ("ddp", ["--trace-memory", "--trace-steps", "0"], "--trace-steps must be positive (got 0)."),
+    ("ddp", ["--grad-accum-steps", "0"], "--grad-accum-steps must be positive (got 0)."),
+    ("ddp", ["--ckpt-keep", "0"], "--ckpt-keep must be at least 1 (got 0)."),
+    ("ddp", ["--ckpt-every", "-2"], "--ckpt-every cannot be negative (got -2)"),
+    ("ddp", ["--pg-timeout", "0"], "--pg-timeout must be positive seconds (got 0.0)."),
+    ("ddp", ["--pg-timeout", "inf"], "--pg-timeout must be a finite number of seconds (got inf)."),
+    ("ddp", ["--fail-at-step", "2"], "--fail-at-step 2 is not a step of this run (0 to 1)."),
+    ("ddp", ["--fail-at-step", "0", "--fail-rank", "1"], "--fail-rank 1 does not exist: this run has ranks 0 to 0."),
+    ("ddp", ["--seed", "-1"], "--seed must be between 0 and 2**63 - 1 (got -1)."),
+    ("ddp", ["--steps", "0"], "--steps must be positive (got 0)."),
+    ("ddp", ["--model", "13b"], "unknown --model '13b'"),
+    ("ddp", ["--seq-len", "4096"], "--seq-len 4096 is longer than model 'debug' supports (256)"),
+    ("ddp", ["--data", "/no/such/file"], "--data /no/such/file: no such file or folder"),
+    ("ddp", ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+    ("ddp", ["--on-nan", "ignore"], "argument --on-nan: invalid choice: 'ignore'"),
+    ("ddp", ["--comm-hook", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank must be at least 1 (got 0)."),
+    ("fsdp", ["--hsdp", "0", "1"], "a 0 x 1 mesh (replicate, shard): every size must be at least 1."),
+    ("fsdp", ["--hsdp", "-1", "-1"], "a -1 x -1 mesh (replicate, shard): every size must be at least 1."),
+    ("fsdp", ["--hsdp", "2", "2"], "a 2 x 2 mesh (replicate, shard) needs 4 ranks but 1 were launched"),
+    ("fsdp", ["--hsdp", "2"], "argument --hsdp: expected 2 arguments"),
+    ("fsdp", ["--global-batch-size", "3", "--grad-accum-steps", "2"], "--global-batch-size 3 does not divide"),
+]
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    return {"ddp": _load("step3_multi_gpu/train_ddp.py"), "fsdp": _load("step3_multi_gpu/train_fsdp.py")}
+
+
+def _main(module, argv) -> tuple[int, list[str]]:
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            module.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, [line for line in err.getvalue().splitlines() if line.strip()]
+
+
+def test_out_of_range_flags_are_one_sentence(scripts, tmp_path):
+    for script, flags, sentence in MISUSE:
+        code, lines = _main(scripts[script], BASE + flags + ["--out", str(tmp_path / "out")])
+        assert code == 2 and len(lines) == 1 and sentence in lines[0], (script, flags, lines)
+    # --out naming a file: refused, and the file is left as it was
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    code, lines = _main(scripts["ddp"], BASE + ["--out", str(precious)])
+    assert code == 2 and lines == [f"error: --out {precious} is a file, not a folder; give a folder "
+                                   f"(it is created if missing)."]
+    assert precious.read_text() == "keep me"
+
+
+def test_unreadable_data_file(tmp_path):
+    if sys.platform.startswith("linux"):  # a read that fails whoever we are: /proc/self/mem at offset 0
+        with pytest.raises(UserError, match=r"^--data: cannot read /proc/self/mem \("):
+            load_corpus("/proc/self/mem")
+    f = tmp_path / "locked.txt"
+    f.write_text("hello " * 100)
+    f.chmod(0)
+    try:
+        if os.access(f, os.R_OK):
+            pytest.skip("running as root: chmod 000 does not stop reads here (the /proc case above did run)")
+        with pytest.raises(UserError, match="cannot read .*locked.txt .Permission denied."):
+            load_corpus(str(f))
+    finally:
+        f.chmod(0o644)
+
+
+def test_on_nan_skip_leaves_weights_and_adamw_state_alone():
+    with distributed("cpu") as ctx:
+        layer = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+        skip_nonfinite_step(opt, ctx, enabled=True)
+        layer(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        before = [p.detach().clone() for p in layer.parameters()]
+        state = {k: v.clone() for k, v in opt.state[layer.weight].items()}
+        layer(torch.full((1, 3), float("nan"))).sum().backward()
+        opt.step()  # skipped: one NaN gradient is enough
+        assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+        assert all(torch.equal(v, opt.state[layer.weight][k]) for k, v in state.items())
+        opt.zero_grad()
+        layer(torch.ones(1, 3)).sum().backward()
+        opt.step()  # finite again: trains
+        assert not torch.equal(before[0], layer.weight)
+
+
+def test_any_parallel_layout_may_resume(tmp_path):
+    """DCP reshards by parameter name: another number of pipeline stages, or ranks, is allowed
+    (the real 2 -> 4 stage run is in tests/test_checkpoint.py); what changes the numbers is not."""
+    args = SimpleNamespace(out=tmp_path, model="debug", model_config=get_config("debug"), global_batch_size=4,
+                           seq_len=32, seed=0, data="synthetic", grad_accum_steps=1, fail_at_step=None)
+    ctx = SimpleNamespace(world_size=2, rank=0)
+    meta = {"model": "debug", "model_config": get_config("debug").as_dict(), "global_batch_size": 4,
+            "seq_len": 32, "seed": 0, "data": "synthetic", "grad_accum_steps": 1}
+    for saved, now in (({"pp": 4, "stages": 4}, {"pp": 2, "stages": 2}),  # 4 stages -> 2
+                       ({"dp": 4}, {"dp": 2}),                            # FSDP 4 -> 2 ranks
+                       ({"tp": 2}, {"pp": 2, "stages": 2})):              # TP -> pipeline
+        assert Checkpointer(args, ctx, [], parallel=now)._check_compatible(tmp_path, meta | {"parallel": saved}) is None
+    # The same check does refuse what would change the run: here, the batch.
+    with pytest.raises(UserError, match="--global-batch-size 8, this run asks for 4"):
+        Checkpointer(args, ctx, [], parallel={"dp": 2})._check_compatible(
+            tmp_path, meta | {"parallel": {"dp": 4}, "global_batch_size": 8})
+
+
+# ==== the model-parallel family (tensor, pipeline, 2-D, 3-D) ===================================
+MP_B = ["--global-batch-size", "4", "--steps", "4", "--no-trace-memory"]
+MP_C = ["--ckpt-every", "2", "--ckpt-keep", "3"]
+MP_R = MP_B + MP_C + ["--resume"]
+MP_PP = ["--schedule", "1f1b", "--microbatches", "2"]
+MP_STEPS = ["0", "1", "2", "3"]
+MP_PLAN = {
+    "tp": {"script": "tp", "flags": MP_B + MP_C},
+    # the driver's restart, without a crash: copy step 1's checkpoint and --resume there
+    "tp_resumed": {"script": "tp", "flags": MP_R, "from": ["tp", 1]},
+    # the 2-D script on 2 ranks (dp 1 x tp 2: its FSDP dimension has nothing to shard)
+    "2d": {"script": "2d", "flags": MP_B + MP_C + ["--tp", "2"]},
+    "2d_resumed": {"script": "2d", "flags": MP_R + ["--tp", "2"], "from": ["2d", 1]},
+    "pp": {"script": "pp", "flags": MP_B + MP_C + MP_PP},
+    # rank 1 holds the last stage, the one that computes the loss
+    "pp_fault": {"script": "pp", "flags": MP_R + MP_PP + ["--fail-at-step", "2", "--fail-rank", "1"]},
+    # 2 stages -> 4 (interleaved: two per rank): the layers keep their names, DCP reshards
+    "pp4_from_pp": {"script": "pp", "flags": MP_R + ["--schedule", "interleaved1f1b", "--microbatches", "2"],
+                    "from": ["pp", 1]},
+}
+
+
+@pytest.fixture(scope="module")
+def mp_job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume_mp")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", "tests/drivers/resume.py", str(folder), json.dumps(MP_PLAN)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("crashing on purpose") == 1, r.stdout[-3000:]
+    res = {name: json.loads((folder / f"{name}.json").read_text()) for name in MP_PLAN}
+    for name, run in res.items():
+        assert run["code"] == 0, f"{name}: {run['stderr']}"
+    print(f"torchrun job: {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+def test_killed_and_restarted_pipeline_continues_exactly(mp_job):
+    """1F1B, rank 1 (the last stage, which alone computes the loss) dies after step 2."""
+    plain, faulty = mp_job["pp"], mp_job["pp_fault"]
+    assert list(plain["losses"]) == MP_STEPS
+    assert faulty["restarted"] and faulty["job_attempt"] >= 1  # it really died
+    assert faulty["losses"] == plain["losses"]  # fp32, bit for bit: no gap, no repeat
+    assert faulty["checkpoints"] == ["step_00000001", "step_00000003"]
+
+
+def test_tensor_parallel_resumes_exactly(mp_job):
+    plain, resumed = mp_job["tp"], mp_job["tp_resumed"]
+    assert list(plain["losses"]) == MP_STEPS
+    assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
+    assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+
+
+def test_two_d_script_resumes_exactly(mp_job):
+    plain, resumed = mp_job["2d"], mp_job["2d_resumed"]
+    assert list(plain["losses"]) == MP_STEPS
+    assert list(resumed["losses"]) == ["2", "3"]
+    assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+
+
+# The 2-D script on 4 ranks, where both dimensions are real: dp 2 (FSDP shards each TP
+# slice over 2 ranks) x tp 2. Its own job: 4 processes.
+PLAN_2D = {
+    "2d_2x2": {"script": "2d", "flags": MP_B + MP_C + ["--dp", "2", "--tp", "2"]},
+    "2d_2x2_resumed": {"script": "2d", "flags": MP_R + ["--dp", "2", "--tp", "2"], "from": ["2d_2x2", 1]},
+}
+# The 3-D script on 4 ranks, one dimension at a time left at 1 (2 x 2 x 2 needs 8 ranks):
+# pipelines of TP pairs, and pipelines of FSDP pairs. Another job: 3-D and 2-D meshes
+# must not meet in one (tools/multirun.py).
+_PP_TP, _PP_FSDP = ["--pp", "2", "--dp", "1", "--tp", "2"], ["--pp", "2", "--dp", "2", "--tp", "1"]
+PLAN_3D = {
+    "3d_pp_tp": {"script": "3d", "flags": MP_B + MP_C + _PP_TP},
+    "3d_pp_tp_resumed": {"script": "3d", "flags": MP_R + _PP_TP, "from": ["3d_pp_tp", 1]},
+    "3d_pp_fsdp": {"script": "3d", "flags": MP_B + MP_C + _PP_FSDP},
+    "3d_pp_fsdp_resumed": {"script": "3d", "flags": MP_R + _PP_FSDP, "from": ["3d_pp_fsdp", 1]},
+}
+
+
+@pytest.mark.parametrize("plan", [PLAN_2D, PLAN_3D], ids=["2d-2x2", "3d-pp2xtp2-and-pp2xdp2"])
+def test_two_d_and_three_d_on_four_ranks_resume_exactly(tmp_path, plan):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                        "tests/drivers/resume.py", str(tmp_path), json.dumps(plan)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in plan}
+    for name, run in res.items():
+        assert run["code"] == 0, f"{name}: {run['stderr']}"
+    for name in [n for n in plan if "from" not in plan[n]]:
+        plain, resumed = res[name], res[name + "_resumed"]
+        assert list(plain["losses"]) == MP_STEPS and list(resumed["losses"]) == ["2", "3"], name
+        assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3")), name  # bit for bit
+
+
+def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
+    resumed, src = mp_job["pp4_from_pp"], mp_job["pp"]
+    assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
+    for s in ("2", "3"):
+        assert resumed["losses"][s] == pytest.approx(src["losses"][s], rel=1e-5), s

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
-from common.comm_hooks import (BF16_REFUSED, all_reduce_bytes, bf16_hook_supported,  # noqa: E402
+from common.parallelize.comm_hooks import (BF16_REFUSED, all_reduce_bytes, bf16_hook_supported,  # noqa: E402
                                check_comm_hook, register_comm_hook)
 from common.errors import UserError  # noqa: E402
 from common.model import build_model, count_params, get_config  # noqa: E402
@@ -169,7 +169,7 @@ def test_comm_hooks_cut_bytes_and_still_train(tmp_path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text.write_bytes(b"".join((stdlib / f).read_bytes() for f in ("argparse.py", "textwrap.py", "dataclasses.py")))
     # 8 layers: over DDP's 1 MiB first bucket, so PowerSGD runs on two buckets (the case
-    # where gloo needs common/comm_hooks.py to keep the collectives in order)
+    # where gloo needs common/parallelize/comm_hooks.py to keep the collectives in order)
     steps, start, rank, layers = 5, 2, 2, 8
     _torchrun(2, "compare_comm_hooks.py", "--model", "debug", "--n-layers", layers, "--steps", steps, "--seq-len", 32,
               "--global-batch-size", 4, "--lr", 1e-2, "--warmup-steps", 1, "--data", text, "--eval-batches", 0,
@@ -213,7 +213,7 @@ def test_dp_vs_ddp_explains_and_exits_cleanly_without_gpus():
     assert out.startswith("dp_vs_ddp compares nn.DataParallel with DDP on 2 or more CUDA GPUs; ")
     assert "so there is nothing to time here." in out.splitlines()[0]
     w = 4 * count_params(get_config("small"))
-    from common.memory import fmt_bytes
+    from common.measure.memory import fmt_bytes
     assert f"W = {fmt_bytes(w)} of fp32 weights) on n = 4 GPUs" in out
     assert f"(n-1) W = {fmt_bytes(3 * w)}" in out and f"2(n-1) W = {fmt_bytes(6 * w)}" in out
     assert "python step3_multi_gpu/dp_vs_ddp.py" in out
@@ -226,7 +226,7 @@ def test_powersgd_on_cpu_ranks_of_a_machine_with_a_gpu(monkeypatch):
     does there. The hook must compress (after start_powerSGD_iter) and never sync a CPU device."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from common.comm_hooks import register_comm_hook
+    from common.parallelize.comm_hooks import register_comm_hook
 
     synced = []
 

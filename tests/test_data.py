@@ -91,7 +91,7 @@ def test_path_file_and_folder(tmp_path):
 
 
 def test_stdlib_is_read_once_per_process_and_a_path_every_time(stdlib, tmp_path):
-    assert load_corpus("stdlib") is load_corpus("stdlib")  # runs sharing a process (common/multirun.py)
+    assert load_corpus("stdlib") is load_corpus("stdlib")  # runs sharing a process (tools/multirun.py)
     (tmp_path / "a.txt").write_text("x" * 1000)
     assert len(load_corpus(str(tmp_path / "a.txt")).train) + len(load_corpus(str(tmp_path / "a.txt")).val) == 1000
     (tmp_path / "a.txt").write_text("x" * 2000)  # a path's files may change between runs

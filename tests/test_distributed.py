@@ -9,7 +9,7 @@ from common.distributed import resolve_device
 from common.errors import UserError
 from conftest import ROOT
 
-DRIVER = str(ROOT / "tests" / "dist_driver.py")
+DRIVER = str(ROOT / "tests" / "drivers" / "dist.py")
 
 
 def _torchrun(n, *args, timeout=180):

@@ -1,4 +1,4 @@
-"""common/theory.py and common/estimate.py: the formulas by hand, against the memory tracer
+"""common/measure/theory.py and tools/estimate.py: the formulas by hand, against the memory tracer
 (on real CPU tensors and under FakeTensorMode with a fake process group), and bad input."""
 import json
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from common import theory
-from common.estimate import main as estimate_main, trace
+from common.measure import theory
+from tools.estimate import main as estimate_main, trace
 from common.model import count_params, get_config
 from conftest import ROOT
 
@@ -50,7 +50,7 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
     proc, out = step1
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
-    assert "predicted (common/theory.py) vs measured" in stdout
+    assert "predicted (common/measure/theory.py) vs measured" in stdout
     row = json.loads((out / "summary.json").read_text())["predicted"]["per_rank"][0]
     for c in ("parameters", "gradients", "optimizer state"):
         assert row[f"measured {c}"] == row[c], c  # exact
@@ -121,6 +121,6 @@ def test_bad_input_is_one_sentence_and_exit_2(flags, expected, capsys):
 
 
 def test_bad_input_exit_code_from_the_command_line():
-    r = subprocess.run([sys.executable, "-m", "common.estimate", "--strategy", "zero9"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tools.estimate", "--strategy", "zero9"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --strategy")

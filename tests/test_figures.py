@@ -1,4 +1,4 @@
-"""The figures command (common/figures.py): every run it makes is a command the scripts
+"""The figures command (tools/figures.py): every run it makes is a command the scripts
 accept, runs that share a job share one launch and do not disturb each other, a failing
 job stops it with the way to its log, and every file in figs/ says which machine made it.
 """
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common import figures
-from common.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
+from tools import figures
+from tools.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
 from test_readme import parse_only
 
 TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4", "--eval-batches", "0",
@@ -26,7 +26,7 @@ def test_every_run_is_a_valid_command(capsys):
     for run in figures.RUNS:
         assert (ROOT / run.script).exists(), f"{run.name}: {run.script} does not exist"
         script, flags = run.script, figures.argv(run, "", "cpu")
-        if script == "common/pipeline_bubble.py":  # its own two flags; the rest go to train_pp.py
+        if script == "tools/pipeline_bubble.py":  # its own two flags; the rest go to train_pp.py
             i = flags.index("--schedules")
             script, flags = "step3_multi_gpu/train_pp.py", flags[:i] + flags[i + 4:]
         if code := parse_only(script, flags):
@@ -39,7 +39,7 @@ def test_jobs_group_runs_and_refuse_a_mixed_one():
     assert sum(map(len, grouped)) == len(figures.RUNS)
     for job in grouped:
         assert len({r.job for r in job}) == 1 and len({r.nproc for r in job}) == 1
-    # DTensor meshes of different runs must not share a job with FSDP's HSDP mesh (common/multirun.py)
+    # DTensor meshes of different runs must not share a job with FSDP's HSDP mesh (tools/multirun.py)
     hsdp_job = next(j for j in grouped if any("--hsdp" in r.flags for r in j))
     assert not any(Path(r.script).stem in ("train_tp", "train_2d", "train_3d") for r in hsdp_job)
     with pytest.raises(ValueError, match="give it a job of its own"):
@@ -150,7 +150,7 @@ def test_provenance_is_kept_per_file(tmp_path):
     made = record_provenance([figs / "02_b.png"], "cpu", ["--only", "02"], path=figs / "made_on.json")
     assert set(made) == {"01_a.png", "02_b.png"}  # 02_c.md is gone from figs/, so from the record
     assert made["01_a.png"]["device"] == "an older machine"
-    assert made["02_b.png"]["command"] == "python -m common.figures --only 02"
+    assert made["02_b.png"]["command"] == "python -m tools.figures --only 02"
     rows = provenance_table(made).splitlines()[2:]
     assert len(rows) == 2 and rows[0].startswith("| `01_*` (1 file) | an older machine |")
 
@@ -159,7 +159,7 @@ def test_every_figure_says_which_machine_made_it():
     made = json.loads((ROOT / "figs" / "made_on.json").read_text())
     files = {p.name for p in (ROOT / "figs").iterdir() if p.name != "made_on.json"}
     assert files == set(made), (f"figs/ files without a record: {sorted(files - set(made))}; records of missing "
-                                f"files: {sorted(set(made) - files)} (run python -m common.figures)")
+                                f"files: {sorted(set(made) - files)} (run python -m tools.figures)")
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- BEGIN figs-made-on -->", 1)[1].split("<!-- END figs-made-on -->", 1)[0]
     assert block.strip() == provenance_table(made), "README's figs-made-on table is stale"
@@ -174,7 +174,7 @@ def test_estimator_blocks_follow_their_commands():
         head = readme.split(f"<!-- BEGIN {marker} -->", 1)[0]
         shown = head.rstrip().removesuffix("```").rsplit("```bash\n", 1)[1]
         assert [shlex.split(line)[3:] for line in shown.strip().splitlines()] == commands, marker
-        assert all(line.startswith("python -m common.estimate ") for line in shown.strip().splitlines())
+        assert all(line.startswith("python -m tools.estimate ") for line in shown.strip().splitlines())
 
 
 def test_estimator_blocks_are_current():
@@ -185,7 +185,7 @@ def test_estimator_blocks_are_current():
     untimed = lambda t: re.sub(r"in [\d.]+ s\)", "in ... s)", t.strip())  # noqa: E731
     for marker, text in figures.estimates().items():
         block = readme.split(f"<!-- BEGIN {marker} -->", 1)[1].split(f"<!-- END {marker} -->", 1)[0]
-        assert untimed(block) == untimed(text), f"README's {marker} block is stale: run python -m common.figures"
+        assert untimed(block) == untimed(text), f"README's {marker} block is stale: run python -m tools.figures"
 
 
 def test_gpu_report_block_is_current(tmp_path, monkeypatch):
@@ -193,7 +193,7 @@ def test_gpu_report_block_is_current(tmp_path, monkeypatch):
     none), and a report in figs/ reaches the README through the figures command."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- BEGIN gpu-check -->", 1)[1].split("<!-- END gpu-check -->", 1)[0]
-    assert block.strip() == figures.gpu_check_report()["gpu-check"].strip(), "stale: run python -m common.figures"
+    assert block.strip() == figures.gpu_check_report()["gpu-check"].strip(), "stale: run python -m tools.figures"
     figs = tmp_path / "figs"
     figs.mkdir()
     (figs / "gpu_check_h100.md").write_text("Made by `python -m tools.gpu_check` on 1 x NVIDIA H100\n")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from common.memory import MemoryTracer
+from common.measure.memory import MemoryTracer
 from common.model import build_model, count_params, get_config
 
 CTX = SimpleNamespace(rank=0, world_size=1, is_main=True)

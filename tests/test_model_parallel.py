@@ -1,7 +1,7 @@
 """Chapter 3b, the model-parallel family: tensor, sequence, pipeline and 2-D parallelism.
 
 Real processes on CPU with gloo. Two torchrun jobs (2 and 4 ranks) run all the cases
-through tests/model_parallel_driver.py, plus one plain launch with a bad mesh shape; they
+through tests/drivers/model_parallel.py, plus one plain launch with a bad mesh shape; they
 start together once per module and every test below reads their results:
 - parity: the loss of every step and the final weights (gathered back into one state
   dict) match the single-process step 1 loop on the same global batch, fp32;
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
 from common.model import Transformer, get_config  # noqa: E402
-from common.model_parallel import bubble_formula, simulate_schedule  # noqa: E402
-from common.theory import stage_layers, tp_bytes_per_step  # noqa: E402
+from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
+from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -92,7 +92,7 @@ CASES = {
     ],
     # 3-D on 4 ranks, one dimension at a time degenerate: pipeline x TP, pipeline x FSDP (the
     # full 2 x 2 x 2 needs 8 ranks; the chapter shows that run). A job of its own: see
-    # common/multirun.py on meshes shared between runs of one job.
+    # tools/multirun.py on meshes shared between runs of one job.
     "3d": [
         case("3d_pp_tp", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
@@ -121,7 +121,7 @@ def runs(tmp_path_factory):
         out = tmp / f"world{n}"
         out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
-        procs[n] = subprocess.Popen(torchrun(WORLD[n], ROOT / "tests/model_parallel_driver.py", out, out / "cases.json"),
+        procs[n] = subprocess.Popen(torchrun(WORLD[n], ROOT / "tests/drivers/model_parallel.py", out, out / "cases.json"),
                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.perf_counter()
     procs["bad"] = subprocess.Popen(torchrun(4, *BAD_LAUNCH, "--out", tmp / "bad"), cwd=ROOT,
@@ -138,9 +138,11 @@ def runs(tmp_path_factory):
     for n in CASES:
         assert procs[n].returncode == 0, f"driver on {n} ranks failed:\n{logs[n][0][-5000:]}"
     results = {n: json.loads((tmp / f"world{n}" / "results.json").read_text()) for n in CASES}
+    others = {n: {r: json.loads((tmp / f"world{n}" / f"results_rank{r}.json").read_text())
+                  for r in range(1, WORLD[n])} for n in CASES}
     for n in CASES:  # where the time goes (pytest -s shows it)
         print(f"\n{n} ranks: " + ", ".join(f"{k} {v['wall_s']:.1f}s" for k, v in results[n].items()))
-    return {"results": results, "bad": (procs["bad"].returncode, logs["bad"][1])}
+    return {"results": results, "others": others, "bad": (procs["bad"].returncode, logs["bad"][1])}
 
 
 def result(runs, n, name):
@@ -227,12 +229,12 @@ def test_pp_each_rank_holds_only_its_stage(runs, n, name, n_layers):
 
 @pytest.mark.parametrize("name,n_layers,m", [("pp4_gpipe", 4, 2), ("pp4_uneven", 5, 4)])
 def test_estimator_trace_of_each_stage_matches_the_real_pipeline(runs, name, n_layers, m):
-    """``python -m common.estimate --strategy pp --trace`` replays a stage's schedule under
+    """``python -m tools.estimate --strategy pp --trace`` replays a stage's schedule under
     fake tensors; the real 4-rank run's tracer is the truth. Model state to the byte; the
     activations and the peak within 10% (the replay's stand-ins for the neighbours' tensors
     are not the schedule's own buffers)."""
-    from common.estimate import trace
-    from common.theory import Plan
+    from tools.estimate import trace
+    from common.measure.theory import Plan
     plan = Plan(get_config("debug", n_layers=n_layers), "pp", world=4, batch=BATCH, seq_len=SEQ, dtype="fp32",
                 microbatches=m, schedule="gpipe")
     for real in result(runs, 4, name)["summary"]["memory"]:
@@ -303,10 +305,12 @@ def test_2d_bytes(runs):
 @pytest.mark.parametrize("n,name", ERR_CASES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in ERR_CASES])
 def test_bad_input_is_one_sentence_and_exit_2(runs, n, name):
     expected = next(c["error"] for c in CASES[n] if c["name"] == name)
-    r = result(runs, n, name)
-    assert r["exit_code"] == 2, r["stderr_tail"]
-    lines = [line for line in r["stderr_tail"].splitlines() if line.strip()]
-    assert lines == [f"[rank 0] error: {expected}"], r["stderr_tail"]
+    ranks = {0: result(runs, n, name)} | {r: got[name] for r, got in runs["others"][n].items()}
+    assert sorted(ranks) == list(range(WORLD[n]))
+    for rank, r in ranks.items():  # every rank, not only the one that writes the results
+        assert r["exit_code"] == 2, (rank, r["stderr_tail"])
+        lines = [line for line in r["stderr_tail"].splitlines() if line.strip()]
+        assert lines == [f"[rank {rank}] error: {expected}"], (rank, r["stderr_tail"])
 
 
 def test_bad_mesh_shape_exits_without_hanging(runs):

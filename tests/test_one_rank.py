@@ -4,7 +4,7 @@ the GPU check command (tools/gpu_check.py) works, in its CPU mode.
 A learner with one GPU (or a laptop) runs the step-3 scripts as written: plain ``python``
 (a process group of one) and ``torchrun --nproc-per-node 1`` must both work, for every
 strategy, and train exactly what step 1 trains. Two launches run side by side: one plain
-python process runs every variant in turn (common/multirun.py); ``python -m
+python process runs every variant in turn (tools/multirun.py); ``python -m
 tools.gpu_check --cpu`` runs step 1, step 2 and every step-3 script at toy scale, the
 step-3 ones under ``torchrun --nproc-per-node 1`` (as on a one-GPU machine).
 """
@@ -51,7 +51,7 @@ def _runs_json(out_dir, names) -> str:
 def launches(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_rank")
     cmds = {
-        "python": [sys.executable, "common/multirun.py", "--runs", _runs_json(tmp / "python", RUNS)],
+        "python": [sys.executable, "tools/multirun.py", "--runs", _runs_json(tmp / "python", RUNS)],
         "gpu_check": [sys.executable, "-m", "tools.gpu_check", "--cpu", "--report-dir", str(tmp / "gpu_check")],
     }
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4",
         "--no-trace-memory", "--eval-batches", "0"]
 
@@ -33,7 +33,7 @@ NOT_CHECKED = {
 # Commands that run end to end (matched on the start of the README line). The rest are
 # only flag-checked: they need GPUs (dp_vs_ddp.py, --amp fp16), several machines
 # (--nnodes 2), are long benchmarks (bench_collectives, ring_allreduce, compare_comm_hooks,
-# common.figures) or need an earlier run's checkpoint (--resume, checkpoint export).
+# tools.figures) or need an earlier run's checkpoint (--resume, checkpoint export).
 RUN = [
     "python step1_single_gpu/train.py --model small --steps 30",
     "python step2_memory/train_amp_ac.py --ac selective",
@@ -147,7 +147,7 @@ def test_readme_commands_run(tmp_path):
 def synthetic_runs(tmp_path):
     """Two run folders with made-up summaries and 2-rank traces."""
     import json
-    from common.memory import CATEGORIES
+    from common.measure.memory import CATEGORIES
     folders = []
     for k, scale in enumerate((1.0, 0.5)):
         folder = tmp_path / f"run{k}"
@@ -175,7 +175,7 @@ def synthetic_runs(tmp_path):
 
 
 def test_compare_renders(synthetic_runs, tmp_path):
-    from common.compare import compare
+    from tools.compare import compare
     md = compare(synthetic_runs, ["A", "B"], tmp_path / "out")
     for f in ("memory_timelines.png", "peak_by_category.png", "compare.md"):
         assert (tmp_path / "out" / f).stat().st_size > 0
@@ -187,7 +187,7 @@ def test_compare_renders(synthetic_runs, tmp_path):
 
 
 def test_compare_missing_folder(synthetic_runs, tmp_path, capsys):
-    from common.compare import main
+    from tools.compare import main
     for bad in (tmp_path / "nope", tmp_path):  # missing; a folder without summary.json
         with pytest.raises(SystemExit) as e:
             main([str(synthetic_runs[0]), str(bad), "--out", str(tmp_path / "o")])

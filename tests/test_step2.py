@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
-from common import memory_savers  # noqa: E402
-from common.memory import MemoryTracer  # noqa: E402
-from common.memory_savers import apply_ac  # noqa: E402
+from common import training  # noqa: E402
+from common.measure.memory import MemoryTracer  # noqa: E402
+from common.parallelize.ac import apply_ac  # noqa: E402
 from common.model import build_model, get_config  # noqa: E402
 
 # Real text that loads at once (the default corpus takes seconds to read): this repo's model.
@@ -85,15 +85,15 @@ TRACED = {  # name: (script, flags); each traces one step (step 1) and skips the
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, one_thread):
     """The runs several tests look at, made once: {name: (metrics rows, trace, out dir)}."""
-    import common.memory
+    import common.measure.memory
 
     out = tmp_path_factory.mktemp("traced")
     results = {}
-    render = common.memory.render
+    render = common.measure.memory.render
     with pytest.MonkeyPatch.context() as mp:
         for name, (script, flags) in TRACED.items():
             # One figure is enough to see that it is drawn; matplotlib costs seconds.
-            mp.setattr(common.memory, "render", render if name == "bf16" else lambda *a, **k: None)
+            mp.setattr(common.measure.memory, "render", render if name == "bf16" else lambda *a, **k: None)
             folder = out / name.replace(" ", "_").replace("+", "_")
             rows, trace = run_main(mp, script, folder, "--trace-steps", "1", "--eval-batches", "0", *flags)
             results[name] = rows, trace, folder
@@ -218,7 +218,7 @@ def test_fp16_scaler_skips_an_overflowing_step_and_carries_on(monkeypatch, tmp_p
     the very lines a GPU runs be tested here.
     """
     amp = _script("train_amp")
-    monkeypatch.setattr(memory_savers, "amp_unsupported", lambda device, amp: None)
+    monkeypatch.setattr(training, "amp_unsupported", lambda device, amp: None)
     optimizers = capture(monkeypatch, amp, "adamw")
     poisoned_step = 2
     calls = []
@@ -377,7 +377,7 @@ def test_misuse_is_one_sentence_and_a_nonzero_exit(monkeypatch, tmp_path, capsys
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(memory_savers.shutil, "which", lambda name: None)
+    monkeypatch.setattr(training.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit) as exc:
         run_main(monkeypatch, "train_amp", tmp_path, "--compile")
     assert exc.value.code == 2
@@ -442,7 +442,7 @@ def test_selective_ac_recomputes_no_matmul_and_full_ac_a_forward():
     non-reentrant checkpoint stops as soon as it has what it needs); selective AC keeps
     every matmul output and replays only the cheap ops, so its matmul FLOPs equal no AC's.
     (CPU's attention kernel has no FLOP formula in FlopCounterMode: matmuls only here.)"""
-    from common.interleaved_bench import matmul_flops, memory_saver_step
+    from common.measure.interleaved_bench import matmul_flops, memory_saver_step
     cfg, batch, seq = get_config("debug"), 4, 64
     flops = {ac: matmul_flops(memory_saver_step("debug", batch, seq, "cpu", amp="bf16", ac=ac))
              for ac in ("none", "selective", "full")}

@@ -7,7 +7,7 @@ one-GPU machine: NCCL refuses two ranks on one GPU). Then it runs the test suite
 GPU visible (the tests train on CPU ranks and must pass there as on a CPU machine).
 
 It writes one report, ``figs/gpu_check_<gpu>.md`` (and ``.json``, which
-``python -m common.figures`` turns into the README's GPU table): per run, whether it ran
+``python -m tools.figures`` turns into the README's GPU table): per run, whether it ran
 (or the error's last line), step time, tokens/s, MFU, and the CUDA allocator's peak against
 the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png``.
 
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not on the path yet
 sys.path.insert(0, str(ROOT))
 
 S2, S3 = "step2_memory/", "step3_multi_gpu/"
@@ -109,7 +109,7 @@ def worker(spec_path: str) -> None:
     import os
 
     import torch
-    from common.multirun import run_script
+    from tools.multirun import run_script
 
     rank0 = os.environ.get("RANK", "0") == "0"
     for run in json.loads(Path(spec_path).read_text()):
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     (report_dir / f"gpu_check_{slug}.md").write_text(md)
     print(md)
     if report_dir.resolve() == (ROOT / "figs").resolve():  # which machine made them, and the README's copies
-        from common import figures
+        from tools import figures
         written = [p for p in report_dir.iterdir() if p.name.startswith("gpu_check_") or f"_cuda_{slug}." in p.name]
         made = figures.record_provenance([p for p in written if p.stat().st_mtime >= started_at], device,
                                          sys.argv[1:] if argv is None else argv, tool="python -m tools.gpu_check")

@@ -1,8 +1,8 @@
 """The pipeline bubble, measured: train_pp.py at several micro-batch counts in one job.
 
-    torchrun --nproc-per-node 2 common/pipeline_bubble.py --model small --seq-len 128 --out runs/pp_bubble
+    torchrun --nproc-per-node 2 tools/pipeline_bubble.py --model small --seq-len 128 --out runs/pp_bubble
 
-For each schedule and micro-batch count m it trains a few steps (common/multirun.py
+For each schedule and micro-batch count m it trains a few steps (tools/multirun.py
 runs train_pp.py's main() in this same torchrun job) and reads, per rank, the time
 spent in forward and backward computation against the wall time of the schedule's step.
 What is left is the bubble: waiting for the neighbouring stage. Rank 0 draws
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.multirun import run_script  # noqa: E402
+from tools.multirun import run_script  # noqa: E402
 
 SCRIPT = "step3_multi_gpu/train_pp.py"
 

@@ -1,11 +1,11 @@
-"""Launched under torchrun by tests/test_resume.py: several checkpointed runs in one job.
+"""Launched under torchrun by tests/test_checkpoint.py: several checkpointed runs in one job.
 
-    torchrun [--max-restarts N] --nproc-per-node W tests/resume_driver.py DIR PLAN
+    torchrun [--max-restarts N] --nproc-per-node W tests/drivers/resume.py DIR PLAN
 
 PLAN is JSON, {name: {"script": "step1"|"ddp"|"fsdp"|"tp"|"pp", "flags": [...], "from": [run, step],
 "damage": "truncate"|"meta"}},
-run in order on one process group (tests/dp_driver.py's ``run``: each script's real
-main()). Each run writes into DIR/<name>; "from" first copies that run's checkpoint
+run in order on one process group (tests/drivers/dp.py's ``run``: each script's real
+main(), which joins the driver's process group). Each run writes into DIR/<name>; "from" first copies that run's checkpoint
 step_<step> into it, so that ``--resume`` starts there (another world size, another
 strategy), and "damage" then breaks that copy. Rank 0 writes DIR/<name>.json: exit code, stderr tail, losses by step.
 
@@ -30,14 +30,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dp_driver  # noqa: E402  (puts the repository on sys.path, runs scripts on our group)
+import dp  # noqa: E402  (puts the repository on sys.path; runs a script's main() on our group)
 from common.distributed import _restart_store  # noqa: E402
-
-# The model-parallel scripts too (tests/test_resume_mp.py); the driver owns their group.
-dp_driver.SCRIPTS.update({"tp": ("step3_multi_gpu/train_tp.py", "Transformer"),
-                          "pp": ("step3_multi_gpu/train_pp.py", "build_stage"),
-                          "2d": ("step3_multi_gpu/train_2d.py", "Transformer"),
-                          "3d": ("step3_multi_gpu/train_3d.py", "build_stage")})
 
 
 class Tee(io.StringIO):
@@ -87,7 +81,7 @@ def main(folder: str, plan: str):
         os.environ["TORCHELASTIC_RESTART_COUNT"] = "1" if started else "0"
         t0 = time.time()
         with contextlib.redirect_stdout(Tee()) as printed:
-            _, code, err = dp_driver.run(run["script"], dp_driver.COMMON + run["flags"], out, draw=False)
+            code, err = dp.run(run["script"], dp.COMMON + run["flags"], out)
         if code == 1 and not started and "--fail-at-step" in run["flags"]:
             # A rank that sees its peer die fails too (gloo: connection reset) before
             # torchrun stops it: leave the run unfinished, for the restart to resume.

@@ -1,13 +1,14 @@
 """Launched under torchrun by tests/test_step3a.py: step 1 and the step 3a scripts in one job.
 
 Starting torch costs seconds per process on a small machine, so one torchrun job runs
-the single-process reference (step1_single_gpu/train.py, on every rank: every rank then
-holds the reference weights) and then each strategy's real script, one after another, on
-one process group. Rank 0 writes what the test asserts on to a JSON file:
-per run the per-step losses, summary.json (memory per rank, bytes per collective), the
-largest weight difference from the reference, exit code and error text.
+the single-process reference (step1_single_gpu/train.py, on every rank) and then each
+strategy's real script, one after another. The driver owns the process group; each
+script's ``main()`` joins it (common/distributed.py) and writes its trained weights with
+``--save-weights``. Rank 0 writes what the test asserts on to a JSON file: per run the
+per-step losses, summary.json (memory per rank, bytes per collective), the largest weight
+difference from the reference, exit code and error text.
 
-    torchrun --nproc-per-node W tests/dp_driver.py OUT.json PLAN
+    torchrun --nproc-per-node W tests/drivers/dp.py OUT.json PLAN
 """
 import contextlib
 import importlib.util
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -27,44 +28,23 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from common import memory  # noqa: E402
-from common.distributed import Dist  # noqa: E402
-from common.parallel import apply_fsdp  # noqa: E402
 from common.model import Transformer, build_model, get_config  # noqa: E402
+from common.parallelize.fsdp import apply_fsdp  # noqa: E402
 
 COMMON = ["--model", "debug", "--seq-len", "32", "--steps", "4", "--eval-batches", "0", "--device", "cpu",
-          "--trace-start", "1", "--trace-steps", "1", "--data", "synthetic"]
+          "--trace-start", "2", "--trace-steps", "1", "--data", "synthetic"]
+SCRIPTS = {"step1": "step1_single_gpu/train.py", "ddp": "step3_multi_gpu/train_ddp.py",
+           "fsdp": "step3_multi_gpu/train_fsdp.py", "tp": "step3_multi_gpu/train_tp.py",
+           "pp": "step3_multi_gpu/train_pp.py", "2d": "step3_multi_gpu/train_2d.py",
+           "3d": "step3_multi_gpu/train_3d.py"}
 
 
-def load(path: str):
+def run(script: str, flags: list[str], out: Path) -> tuple[int, str]:
+    """A script's main() on this job's process group: (exit code, its stderr)."""
+    path = SCRIPTS[script]
     spec = importlib.util.spec_from_file_location(Path(path).stem + "_under_test", ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
-
-
-RENDER = memory.render
-SCRIPTS = {"step1": ("step1_single_gpu/train.py", "build_model"),
-           "ddp": ("step3_multi_gpu/train_ddp.py", "build_model"),
-           "fsdp": ("step3_multi_gpu/train_fsdp.py", "Transformer")}
-
-
-@contextlib.contextmanager
-def shared_group(*_, **__):
-    """Stands in for common.distributed.distributed: the driver owns the process group."""
-    yield Dist(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), torch.device("cpu"),
-               "gloo", launched=True)
-
-
-def run(script: str, flags: list[str], out: Path, draw: bool):
-    """Run a script's main() on this job's process group; capture its model and stderr."""
-    path, builder = SCRIPTS[script]
-    module = load(path)
-    module.distributed = shared_group
-    memory.render = RENDER if draw else (lambda *a, **k: None)  # drawing costs ~1 s a figure
-    made = []
-    original = getattr(module, builder)
-    setattr(module, builder, lambda *a, **k: made.append(original(*a, **k)) or made[-1])
     sys.argv = [str(ROOT / path), *flags, "--out", str(out)]
     err, code = io.StringIO(), 0
     with contextlib.redirect_stderr(err):
@@ -72,7 +52,7 @@ def run(script: str, flags: list[str], out: Path, draw: bool):
             module.main()
         except SystemExit as e:
             code = e.code
-    return (made[0] if made else None), code, err.getvalue()
+    return code, err.getvalue()
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -83,7 +63,7 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 def weight_diff(a: dict, b: dict) -> dict:
     """Largest absolute difference, and the share of elements off by more than 1e-6."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    diffs = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
     return {"max_abs": diffs.max().item(), "frac_over_1e-6": (diffs > 1e-6).float().mean().item()}
 
 
@@ -112,18 +92,17 @@ def main(out_json: str, plan: str):
     for name, (script, flags) in plan.items():
         out = tmp / name
         start = time.perf_counter()
-        model, code, err = run(script, COMMON + flags, out, draw=name == "ddp")
+        code, err = run(script, COMMON + flags + ["--save-weights"], out)
         entry = {"code": code, "stderr": err[-2000:], "seconds": time.perf_counter() - start,
                  "figure": (out / "memory_trace.png").exists()}
-        if code == 0:
-            weights = full_weights(model)  # a collective under FSDP: every rank takes part
+        if code == 0 and rank == 0:
+            weights = torch.load(out / "weights.pt")
             if name == "reference":
                 reference = weights
             elif reference is not None:
                 entry["weights"] = weight_diff(weights, reference)
-            if rank == 0:
-                entry["losses"] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-                entry["summary"] = json.loads((out / "summary.json").read_text())
+            entry["losses"] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            entry["summary"] = json.loads((out / "summary.json").read_text())
         results[name] = entry
         dist.barrier()
     if rank == 0:

@@ -1,5 +1,4 @@
-"""Memory savers applied to a model from the outside: activation checkpointing, and what
-each device supports for mixed precision, fused AdamW and ``torch.compile``.
+"""Activation checkpointing, applied to a model from the outside.
 
 Activation checkpointing (AC) is applied the way FSDP2's ``fully_shard`` is: the block's
 class is swapped for a subclass whose ``forward`` runs the original one under
@@ -15,7 +14,6 @@ torch < 2.13 (pytorch issue 159359) and fails with a metadata mismatch.
 """
 from __future__ import annotations
 
-import shutil
 from functools import partial
 
 import torch
@@ -23,7 +21,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective")
-AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 aten = torch.ops.aten
 # Selective AC keeps the outputs of these ops and recomputes everything else in the
@@ -88,42 +85,3 @@ def apply_ac(model: nn.Module, mode: str, every: int = 1) -> list[str]:
             checkpoint_module(block, selective=mode == "selective")
             done.append(name)
     return done
-
-
-# ---- what the device supports -------------------------------------------------------------
-def amp_unsupported(device: torch.device, amp: str) -> str | None:
-    """Why ``--amp`` cannot run on ``device`` (one sentence), or None if it can."""
-    if amp == "fp16" and device.type != "cuda":
-        # PyTorch can autocast to fp16 on a CPU, but without fp16 arithmetic units it
-        # emulates it: measured here, an fp16 matmul ran 2.3x slower than fp32, and bf16
-        # 2.4x faster. fp16 with loss scaling is a GPU recipe.
-        return ("--amp fp16 needs a CUDA GPU (a CPU emulates fp16 arithmetic, slower than fp32); "
-                "use --amp bf16, which needs no loss scaling, or --amp off.")
-    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return (f"--amp bf16: {torch.cuda.get_device_name(device)} has no bf16 support (it needs an "
-                f"Ampere or newer GPU); use --amp fp16, which adds loss scaling.")
-    return None
-
-
-def fused_adamw_unsupported(device: torch.device) -> str | None:
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        supported = _get_fused_kernels_supported_devices()
-    except ImportError:  # private helper moved: fall back to the devices fused AdamW has had since 2.4
-        supported = ["cuda", "cpu"]
-    if device.type not in supported:
-        return f"--fused-adamw: this PyTorch has no fused AdamW for {device.type}; drop the flag."
-    return None
-
-
-def compile_unsupported(device: torch.device) -> str | None:
-    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
-        return "--compile on CPU needs a C++ compiler (g++ or clang++) on the PATH; install one or drop --compile."
-    if device.type == "cuda":
-        try:
-            from torch.utils._triton import has_triton
-        except ImportError:
-            has_triton = lambda: True  # noqa: E731  (cannot tell; let torch.compile report it)
-        if not has_triton():
-            return "--compile on CUDA needs Triton (pip install triton); install it or drop --compile."
-    return None

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from common.memory_savers import AMP_DTYPES, apply_ac
 from common.model import build_model, get_config
-from common.training import adamw
+from common.parallelize.ac import apply_ac
+from common.training import AMP_DTYPES, adamw
 
 
 def _sync(device: torch.device):

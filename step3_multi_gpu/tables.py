@@ -1,4 +1,7 @@
-"""What the data-parallel family should cost, per rank, and the chapter's table.
+"""Chapter 3's tables, made from the runs tools/figures.py makes: 3a (the data-parallel
+family, measured next to its formulas) and 3b (the model-parallel family side by side).
+
+What the data-parallel family should cost, per rank:
 
 The formulas of the chapter (N parameters in fp32, W ranks, AdamW):
 
@@ -23,11 +26,11 @@ The functions here make them exact for the tests, to the byte:
 """
 from __future__ import annotations
 
-# The formulas live in common/theory.py (one definition each); this module holds the
+# The formulas live in common/measure/theory.py (one definition each); this module holds the
 # chapter's table.
 
 
-# ---- the chapter's table, from the runs common/figures.py makes ----------------------
+# ---- the chapter's table, from the runs tools/figures.py makes ----------------------
 # (run name, label, strategy, HSDP shard size or None)
 TABLE_ROWS = [
     ("3a_ddp", "DDP", "ddp", None),
@@ -56,7 +59,7 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
     import json
     from pathlib import Path
 
-    from common.memory import fmt_bytes
+    from common.measure.memory import fmt_bytes
 
     lines = ["| strategy | model state per rank: formula | = | measured (rank 0) | ratio | peak per rank "
              "| sent per rank per step: formula | = | measured (logical bytes) | ratio | a ring sends |",
@@ -92,19 +95,85 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
               "tensor each collective works on, a ring sends 2(n-1)/n of that for AR and (n-1)/n for AG and RS, n being the group's size (W; S "
               "and R = W/S under HSDP). "
               "ZeRO-3 sends a little less than 12N because FSDP keeps the root (embedding, final norm, output) "
-              "gathered from forward to backward; bf16 gathers half the bytes; DDP's few-byte broadcast is the "
-              "one-time rebuild of its buckets after the first step."]
+              "gathered from forward to backward; bf16 gathers half the bytes. Bytes are counted on steps 2 and 3, "
+              "after the one-time work of the first two (DDP rebuilds its buckets in step 1)."]
     return "\n".join(lines)
 
 
 def write_chapter3a_table(suffix: str = "") -> dict[str, str]:
-    """A POST_STEPS entry of common/figures.py: figs/03a_table.md, and the README block."""
-    from pathlib import Path
+    """A POST_STEPS entry of tools/figures.py: figs/03a_table.md, and the README block."""
+    from common import ROOT as root
 
-    root = Path(__file__).resolve().parent.parent
     md = chapter3a_table(root / "runs" / "figs", suffix)
     if not md:
         return {}
     (root / "figs" / f"03a_table{suffix}.md").write_text(md + "\n")
     print(f"wrote figs/03a_table{suffix}.md", flush=True)
     return {"table-03a" + suffix: md}
+
+
+# ---- chapter 3b: the model-parallel family ----------------------------------------------------
+_LABELS = {
+    "single": "one device (step 1)",
+    "tp": "TP {tp}", "tp_sp": "TP {tp} + sequence parallel", "pp_gpipe": "PP {pp}, GPipe",
+    "pp_1f1b": "PP {pp}, 1F1B", "pp_interleaved": "PP {pp}, interleaved 1F1B (2 stages/rank)",
+    "2d": "2-D: FSDP {dp} x TP {tp}", "fsdp_via_2d": "FSDP {dp} (train_2d.py --tp 1)", "ddp": "DDP {dp}",
+    "fsdp": "FSDP {dp} (train_fsdp.py)",
+}
+
+
+def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
+    """One row per strategy from its summary.json: per-rank memory, bytes sent, step time.
+
+    ``single``: the step 1 run with the same flags, the first row."""
+    import json
+    from pathlib import Path
+
+    from common.measure.memory import fmt_bytes
+    from common.model import count_params
+
+    def span(values, fmt=fmt_bytes):
+        lo, hi = min(values), max(values)
+        return fmt(lo) if abs(hi - lo) <= 0.005 * max(hi, 1) else f"{fmt(lo)} – {fmt(hi)}"
+
+    head = ("| strategy | parameters / rank | gradients / rank | AdamW state / rank | activations / rank "
+            "(peak) | peak / rank | sent per step / rank (logical) | on the wire / rank | step time |")
+    lines = [head, "|" + "---|" * 9]
+    s = None
+    paths = [(name, Path(runs_dir) / name / "summary.json") for name in names]
+    if single is not None:
+        paths.insert(0, ("single", Path(single) / "summary.json"))
+    for name, path in paths:
+        if not path.exists():
+            continue
+        s = json.loads(path.read_text())
+        par = {"tp": 1, "pp": 1, "dp": 1, **s.get("parallel", {})}
+        mem = s["memory"]
+        cat = lambda c: [m["peak_by_category"][c] for m in mem]  # noqa: E731
+        comm = s.get("comm") or [{}]
+        sent = [sent_per_step(c) for c in comm]
+        label = _LABELS.get(name, name).format(**par)
+        if "microbatches" in s:
+            label += f", m={s['microbatches']}"
+        lines.append(f"| {label} | {span(cat('parameters'))} | {span(cat('gradients'))} | "
+                     f"{span(cat('optimizer state'))} | {span(cat('activations'))} | "
+                     f"{span([m['peak_bytes'] for m in mem])} | {span([a for a, _ in sent])} | "
+                     f"{span([b for _, b in sent])} | {s['step_time_s'] * 1e3:,.0f} ms |")
+    if s is None:
+        return "(no runs found)"
+    cfg = s["model_config"]
+    n = s["n_params"]
+    world = s["world_size"]
+    if not any((Path(runs_dir) / d / "summary.json").exists() for d in ("ddp",)):
+        tensors = 9 * cfg["n_layers"] + 3
+        lines.append(f"| DDP {world} (formula, not run in this checkout) | {fmt_bytes(4 * n)} | {fmt_bytes(4 * n)} | "
+                     f"{fmt_bytes(8 * n + 4 * tensors)} | as one device at batch/{world} | | {fmt_bytes(4 * n)} | "
+                     f"{fmt_bytes(2 * (world - 1) / world * 4 * n)} | |")
+    assert n == count_params(ModelConfig(**cfg))
+    lines += ["", f"Measured on {s['device_name']} ({s['backend']}), {world} ranks, fp32: the {s['model']} preset with "
+              f"{cfg['n_layers']} layers (N = {n:,} parameters, {fmt_bytes(4 * n)} of fp32 weights), global batch "
+              f"{s['global_batch_size']} x {s['seq_len']} tokens. Memory: the tracer's peak per category "
+              f"(a range where the ranks differ). Bytes: per optimizer step, as common/measure/comm.py counts them; "
+              f"'on the wire' is what a ring algorithm makes each rank send. Step time: rank 0's mean "
+              f"over the untraced steps after the first."]
+    return "\n".join(lines)

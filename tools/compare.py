@@ -1,9 +1,9 @@
 """Put several runs side by side, from the files the runs wrote.
 
-    python -m common.compare runs/train_ddp runs/train_fsdp --labels DDP,FSDP --out runs/compare
+    python -m tools.compare runs/train_ddp runs/train_fsdp --labels DDP,FSDP --out runs/compare
 
 A run folder holds ``summary.json``, ``metrics.jsonl`` and ``memory_trace.json`` (see
-common/metrics.py and common/memory.py); everything here reads only those, so a figure or
+common/measure/metrics.py and common/measure/memory.py); everything here reads only those, so a figure or
 a table in the README is always a function of real runs. It draws
 
 - ``memory_timelines.png``: one panel per run on ONE y scale; rank 0's memory stacked by
@@ -14,7 +14,7 @@ a table in the README is always a function of real runs. It draws
 and prints (and writes ``compare.md``) a table: peak memory per rank, bytes each rank
 communicated per optimizer step, tokens/s and final loss.
 
-Chapter 2's figures and table (common/figures.py) use the same functions with one rank.
+Chapter 2's figures and table (tools/figures.py) use the same functions with one rank.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.comm import sent_per_step
+from common.measure.comm import sent_per_step
 from common.errors import UserError, main_guard
-from common.memory import CATEGORIES, COLORS, STACK_ORDER, fmt_bytes, render
+from common.measure.memory import CATEGORIES, COLORS, STACK_ORDER, byte_unit, fmt_bytes, render
 
 
 @dataclass
@@ -92,10 +92,6 @@ class RunResult:
         return [int(sent_per_step(rank)[0]) for rank in comm]
 
 
-def _scale(top: float) -> tuple[int, str]:
-    return (2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (2**10, "KiB")
-
-
 def render_timelines(runs: list[RunResult], path, title: str, ymax: float | None = None):
     """One panel per run, all on one y scale: rank 0 stacked by category, the other
     ranks' totals as lines."""
@@ -106,11 +102,6 @@ def render_timelines(runs: list[RunResult], path, title: str, ymax: float | None
             f"{r.label}: rank 0 by category, ranks 1-{len(r.traces) - 1} total as lines")
         traces.append(dict(t, label=label, other_ranks=r.traces[1:]))
     render(traces, path, title=title, ymax=ymax)
-
-
-def render_beside(runs: list[RunResult], path, title: str):
-    """Chapter 2: the runs' memory timelines stacked one above the other on one y scale."""
-    render_timelines(runs, path, title)
 
 
 def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int, str] | None = None):
@@ -128,7 +119,7 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
         missing = [r.folder for r, p in zip(runs, peaks) if not p]
         raise UserError(f"{missing[0]} recorded no memory; rerun without --no-trace-memory.")
     top = max(m["peak_bytes"] for p in peaks for m in p)
-    scale, unit = _scale(top)
+    scale, unit = byte_unit(top)
     widest = max(len(p) for p in peaks)
     group_w = 0.8 if widest > 1 else 0.62          # width of one run's group of bars
     fig, ax = plt.subplots(figsize=(max(1.5 * len(runs) * max(1, widest / 2.5) + 2.5, 4.5), 5.2))
@@ -178,9 +169,9 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
     tokens/s, each against runs[0].
 
     ``step_times`` (seconds, by label) replaces the runs' own step times, e.g. with
-    times measured side by side by common.interleaved_bench.interleaved. ``flops`` (by
+    times measured side by side by common.measure.interleaved_bench.interleaved. ``flops`` (by
     label): the matmul and attention FLOPs of one step, recomputation included
-    (common.interleaved_bench.matmul_flops), shown against runs[0]'s."""
+    (common.measure.interleaved_bench.matmul_flops), shown against runs[0]'s."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     head = (["run"] + (["command"] if commands else []) + [f"{c} (MiB)" for c in CATEGORIES]
             + ["peak (MiB)", "peak vs baseline", "step time (ms)", "tokens/s", "step time vs baseline"]
@@ -250,7 +241,7 @@ def compare(folders, labels=None, out=None, title: str | None = None) -> str:
 
 @main_guard
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m common.compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders (the --out of each run)")
     p.add_argument("--labels", default=None, help="comma-separated names, one per run (default: folder names)")

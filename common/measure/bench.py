@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.measure.memory import fmt_bytes
+
 GB = 1e9  # nccl-tests' GB/s are 10^9 bytes per second
 
 
@@ -27,10 +29,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int = 2, align: int = 
 
 
 def fmt_size(b: float) -> str:
-    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= f:
-            return f"{b / f:.4g} {unit}"
-    return f"{b:g} B"
+    """A message size without trailing zeros: "1 MiB", "4 KiB"."""
+    return fmt_bytes(b, ".4g")
 
 
 def _sync(device: torch.device):

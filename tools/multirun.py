@@ -1,7 +1,7 @@
 """Run a step script's ``main()`` several times inside one torchrun job.
 
 Starting four processes that import torch and join a process group costs 5 to 10 seconds
-on a 2-core machine; sweeps (the pipeline-bubble figure), ``python -m common.figures`` and
+on a 2-core machine; sweeps (the pipeline-bubble figure), ``python -m tools.figures`` and
 the tests run many short trainings, so they launch once and call the scripts one after
 another. Each ``main()`` sets up and tears down its own process group. Re-initialising
 on torchrun's store would reuse the previous group's keys (gloo then connects to stale
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not on the path yet
 _state = {"count": 0, "store": None}
 
 
@@ -67,8 +67,8 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
 
 
 def main():
-    """``torchrun --nproc-per-node N common/multirun.py --runs JSON``: runs one after another
-    in this job. JSON is a list of {"name", "script", "argv"}; ``python -m common.figures``
+    """``torchrun --nproc-per-node N tools/multirun.py --runs JSON``: runs one after another
+    in this job. JSON is a list of {"name", "script", "argv"}; ``python -m tools.figures``
     writes it. Rank 0 prints ``[multirun] start NAME`` and ``[multirun] done NAME`` around
     each, which the figures command reads to move its progress bar."""
     import argparse
@@ -89,5 +89,5 @@ def main():
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from common import multirun  # this file again, as common.multirun: scripts that import it share its state
+    from tools import multirun  # this file again, as tools.multirun: scripts that import it share its state
     multirun.main()

@@ -219,3 +219,13 @@ class _OtherThreads:
             return out
 
         return wrapper
+
+
+def print_comm(ctx, comm_by_rank: list[dict] | None, n_params: int):
+    """One line per collective: what rank 0 sent per step, against 4N (N fp32 parameters)."""
+    from common.measure.memory import fmt_bytes
+    if not ctx.is_main or not comm_by_rank:
+        return
+    for kind, c in comm_by_rank[0].items():
+        print(f"  {kind + ' per step':<18}  {c['calls']:g} calls, {fmt_bytes(c['bytes'])} logical "
+              f"= {c['bytes'] / (4 * n_params):.3f} x 4N, {fmt_bytes(c['wire_bytes'])} sent by a ring", flush=True)

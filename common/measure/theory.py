@@ -133,7 +133,7 @@ def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int) -> dict[str, tuple
 
 
 def tp_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[int, ...]]:
-    """Each parameter's local shape under common/model_parallel.py:apply_tp (even splits)."""
+    """Each parameter's local shape under common/parallelize/tp.py:apply_tp (even splits)."""
     if tp == 1:
         return dict(shapes)
     out = {}
@@ -216,7 +216,7 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
 
 def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
                       bytes_per_el: int = 4) -> dict[str, int]:
-    """The activation traffic of common/model_parallel.py:apply_tp, logical bytes per step.
+    """The activation traffic of common/parallelize/tp.py:apply_tp, logical bytes per step.
 
     Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
     forward (after wo, after w2) and 2 in backward (the input gradients of the q/k/v and
@@ -408,10 +408,6 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     return out
 
 
-def predict_all(plan: Plan) -> list[dict]:
-    return [predict(plan, r) for r in range(plan.world)]
-
-
 # ---- prediction beside measurement, at the end of a training run -------------------------------
 def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     """Print 'predicted vs measured' per category on rank 0; return it for summary.json.
@@ -422,12 +418,12 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     """
     if not ctx.is_main:
         return None
-    from common.memory import fmt_bytes
+    from common.measure.memory import fmt_bytes
     plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
                 seq_len=args.seq_len, **plan_kwargs)
     ranks = [m["rank"] for m in memory] if memory else [0]
     out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "per_rank": []}
-    print(f"  predicted (common/theory.py) vs measured, {plan.strategy}:", flush=True)
+    print(f"  predicted (common/measure/theory.py) vs measured, {plan.strategy}:", flush=True)
     for r in ranks:
         p = predict(plan, r)
         m = next((x for x in memory or [] if x["rank"] == r), None)

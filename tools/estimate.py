@@ -1,17 +1,17 @@
 """Will it fit? Per-GPU memory of a training configuration, without a GPU.
 
-    python -m common.estimate --model 8b --world-size 4 --strategy fsdp --gpu-mem 80
-    python -m common.estimate --model 8b --world-size 4 --strategy all --gpu-mem 80
-    python -m common.estimate --model debug --world-size 4 --strategy fsdp --trace
+    python -m tools.estimate --model 8b --world-size 4 --strategy fsdp --gpu-mem 80
+    python -m tools.estimate --model 8b --world-size 4 --strategy all --gpu-mem 80
+    python -m tools.estimate --model debug --world-size 4 --strategy fsdp --trace
 
-From the formulas of common/theory.py, and with ``--trace`` also from a real forward,
+From the formulas of common/measure/theory.py, and with ``--trace`` also from a real forward,
 backward and optimizer step of the model run under ``FakeTensorMode``: every tensor has
 a shape, a dtype and a device but no memory, and a fake process group (``backend="fake"``,
 whose collectives do nothing) lets DDP, FSDP2 and tensor parallelism build as they would
-on ``--world-size`` GPUs. common/memory.py's tracer, which only looks at storages' sizes,
+on ``--world-size`` GPUs. common/measure/memory.py's tracer, which only looks at storages' sizes,
 measures rank 0 by category. Pipeline parallelism (``--strategy pp``, GPipe or 1F1B) is
 traced on the rank the formulas find fullest: that rank's stage replays the schedule's
-textbook order of micro-batch forwards and backwards (common/model_parallel.py's
+textbook order of micro-batch forwards and backwards (common/parallelize/pp.py's
 ``schedule_order``), with fake tensors standing in for what its neighbours would send.
 PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads values).
 """
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import sys
 import time
 
 from common.errors import UserError, main_guard
-from common.memory import fmt_bytes
+from common.measure.memory import fmt_bytes
 from common.model import PRESETS, get_config
-from common.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
+from common.measure.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
 
 GiB = 2**30
 TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
@@ -44,7 +43,7 @@ def traceable(p: Plan) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m common.estimate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.estimate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
@@ -142,7 +141,7 @@ def trace(p: Plan, rank: int | None = None) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from common.memory import MemoryTracer
+    from common.measure.memory import MemoryTracer
     from common.model import Transformer
 
     if why := traceable(p):
@@ -186,11 +185,11 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     """Pipeline stage ``rank`` of plan ``p`` (one stage per rank): its forwards and backwards
     in the schedule's order. Its inputs, unless it is the first stage, and the gradients of
     its outputs, unless it is the last, are fake tensors of the shapes its neighbours send."""
-    from common.model_parallel import prune_to_stage, schedule_order
+    from common.parallelize.pp import prune_to_stage, schedule_order
 
     model = prune_to_stage(Transformer(p.cfg), rank, p.pp)
     if p.ac == "full":
-        from common.memory_savers import apply_ac
+        from common.parallelize.ac import apply_ac
         apply_ac(model, "full")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
@@ -231,8 +230,8 @@ def _mesh(p: Plan):
 
 
 def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
-    from common.memory_savers import apply_ac
-    from common.parallel import apply_fsdp, trace_fsdp_memory
+    from common.parallelize.ac import apply_ac
+    from common.parallelize.fsdp import apply_fsdp, trace_fsdp_memory
 
     device = torch.device("cpu")
     model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
@@ -240,7 +239,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
         apply_ac(model, "full")
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
     if p.strategy in ("tp", "2d"):
-        from common.model_parallel import apply_tp
+        from common.parallelize.tp import apply_tp
         apply_tp(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
         if p.dp > 1:
             apply_fsdp(model, mesh["dp"])
@@ -258,7 +257,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy
     amp = p.dtype == "bf16" and not (fsdp and p.strategy != "2d")
     seqs = p.batch // p.dp
-    loss_ctx = functools.partial(__import__("contextlib").nullcontext)
+    loss_ctx = contextlib.nullcontext
     if p.strategy in ("tp", "2d"):
         from torch.distributed.tensor.parallel import loss_parallel
         loss_ctx = loss_parallel
@@ -362,7 +361,7 @@ def main(argv=None):
                         f"{args.world_size}.")
     for p in ps:
         if p.tp > 1:
-            from common.model_parallel import check_tp
+            from common.parallelize.tp import check_tp
             check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
         if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
             raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"

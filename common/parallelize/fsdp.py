@@ -1,16 +1,12 @@
-"""What the data-parallel lessons share: launch checks, batch splitting, the global loss,
-FSDP2's application, and the glue that lets the memory tracer see FSDP's all-gathered
-parameters.
+"""FSDP2 (``fully_shard``) applied from outside the model, and the glue that lets the
+memory tracer see FSDP's all-gathered parameters.
 
 ``apply_fsdp`` follows torchtitan's ``parallelize_llama``: the model never knows it is
-sharded; one short function wraps each transformer block, then the root, from outside.
+sharded; one short function wraps each transformer block, then the root.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -19,52 +15,6 @@ try:  # public since torch 2.6
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._composable.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                                     OffloadPolicy, fully_shard)
-
-from common.errors import UserError
-from common.memory import fmt_bytes
-
-
-def launch_hint(ctx, script: str):
-    """Plain ``python`` runs these scripts as one rank (a process group of one); say so."""
-    if not ctx.launched:
-        ctx.print(f"note: plain python runs a single rank; for four, launch "
-                  f"torchrun --nproc-per-node 4 {script}")
-
-
-def micro_batch_size(global_batch_size: int, dp_size: int, accum_steps: int = 1) -> int:
-    """Sequences per rank per forward pass; the global batch must split evenly."""
-    if accum_steps <= 0:
-        raise UserError(f"--grad-accum-steps must be positive (got {accum_steps}).")
-    if global_batch_size % (dp_size * accum_steps):
-        into = (f"among {dp_size} data-parallel ranks" if accum_steps == 1 else
-                f"into {accum_steps} micro-batches on each of {dp_size} data-parallel ranks")
-        raise UserError(f"--global-batch-size {global_batch_size} does not divide {into}; "
-                        f"use a multiple of {dp_size * accum_steps}.")
-    return global_batch_size // (dp_size * accum_steps)
-
-
-def ddp_no_buffer_sync() -> dict:
-    """DDP's keyword that skips broadcasting the buffers before every forward.
-
-    Our only buffers are the RoPE tables, constants. torch 2.13 renamed the keyword
-    (``broadcast_buffers`` -> ``forward_sync_buffers``) and warns about the old one.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def global_mean(t: torch.Tensor, group=None) -> torch.Tensor:
-    """The mean of a per-rank scalar over the data-parallel ranks (for the log).
-
-    gloo has no ReduceOp.AVG, so: sum, then divide.
-    """
-    t = t.detach().clone()
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        t /= dist.get_world_size(group)
-    return t
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
@@ -135,22 +85,3 @@ def trace_fsdp_memory(tracer, model: torch.nn.Module):
     for m in model.modules():
         if isinstance(m, FSDPModule):
             tracer.until_done(m.register_forward_pre_hook(on_unshard))
-
-
-def gather_comm(comm, ctx, steps: int) -> list[dict] | None:
-    """Every rank's bytes per step by collective, gathered to rank 0 (None elsewhere)."""
-    mine = comm.summary(per=steps)
-    if not (dist.is_initialized() and ctx.world_size > 1):
-        return [mine]
-    out = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(mine, out, dst=0)
-    return out
-
-
-def print_comm(ctx, comm_by_rank: list[dict] | None, n_params: int):
-    """One line per collective: what rank 0 sent per step, against 4N (N fp32 parameters)."""
-    if not ctx.is_main or not comm_by_rank:
-        return
-    for kind, c in comm_by_rank[0].items():
-        print(f"  {kind + ' per step':<18}  {c['calls']:g} calls, {fmt_bytes(c['bytes'])} logical "
-              f"= {c['bytes'] / (4 * n_params):.3f} x 4N, {fmt_bytes(c['wire_bytes'])} sent by a ring", flush=True)

@@ -410,11 +410,17 @@ def _downsample(live: np.ndarray, peak_at: int, max_points: int = 3000) -> dict:
     return {"event": idx.tolist(), **{c: live[i, idx].tolist() for i, c in enumerate(CATEGORIES)}}
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+def byte_unit(n: float) -> tuple[int, str]:
+    """The binary unit a byte count reads best in (at least KiB: for axes and tables)."""
+    return (2**30, "GiB") if abs(n) >= 2**30 else (2**20, "MiB") if abs(n) >= 2**20 else (2**10, "KiB")
+
+
+def fmt_bytes(n: float, spec: str = ".2f") -> str:
+    """``n`` bytes in its unit: "1.50 MiB"; ``spec=".4g"`` drops trailing zeros ("1 MiB")."""
+    if abs(n) < 2**10:
+        return f"{n:{'.0f' if spec == '.2f' else 'g'}} B"
+    scale, unit = byte_unit(n)
+    return f"{n / scale:{spec}} {unit}"
 
 
 def render(traces: list[dict], path, title: str, ymax: float | None = None):
@@ -423,7 +429,7 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
     All panels share one y scale (the highest peak, or ``ymax``), so several runs' traces
     can be compared by eye; a trace's ``label`` key, if any, names its panel, and its
     ``other_ranks`` key, if any (traces of the same run's other ranks), adds each of those
-    ranks' total as a line over the stacked areas (common/compare.py draws runs this way).
+    ranks' total as a line over the stacked areas (tools/compare.py draws runs this way).
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -432,7 +438,7 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
 
     peak = max([t["peak_bytes"] for t in traces] + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
     top = ymax or peak
-    scale, unit = ((2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (2**10, "KiB"))
+    scale, unit = byte_unit(top)
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
     for ax, t in zip(axes[:, 0], traces):
         s = t["series"]

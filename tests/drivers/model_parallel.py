@@ -1,10 +1,10 @@
 """Test-only driver: run many model-parallel trainings inside ONE torchrun job.
 
-    torchrun --standalone --nproc-per-node N tests/model_parallel_driver.py OUT_DIR CASES_JSON
+    torchrun --standalone --nproc-per-node N tests/drivers/model_parallel.py OUT_DIR CASES_JSON
 
 Starting four processes that import torch takes most of ten seconds on a 2-core machine,
 so instead of one launch per check, every rank runs the step scripts' ``main()`` one after
-another (common/multirun.py), with bad flags too. Rank 0
+another (tools/multirun.py), with bad flags too. Rank 0
 also trains the single-process reference (the step 1 loop) for each configuration and
 writes OUT_DIR/results.json for tests/test_model_parallel.py to assert on.
 
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import cli  # noqa: E402
 from common.data import Batches, load_corpus  # noqa: E402
 from common.model import build_model  # noqa: E402
-from common.multirun import run_script  # noqa: E402
+from tools.multirun import run_script  # noqa: E402
 from common.training import adamw, lr_schedule  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -96,6 +96,9 @@ def main():
             print(f"[driver] {case['name']}: exit {code} in {res['wall_s']:.1f} s", file=sys.__stderr__, flush=True)
     if RANK == 0:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    else:  # what the other ranks saw: every rank must exit, and say why, the same way
+        (out_dir / f"results_rank{RANK}.json").write_text(json.dumps(
+            {k: {"exit_code": v["exit_code"], "stderr_tail": v["stderr_tail"]} for k, v in results.items()}))
 
 
 if __name__ == "__main__":

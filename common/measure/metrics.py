@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from common.memory import CATEGORIES, fmt_bytes
+from common.measure.memory import CATEGORIES, fmt_bytes
 from common.model import count_params, flops_per_token
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendor's data sheets. fp32 is the

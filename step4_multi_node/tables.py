@@ -1,7 +1,7 @@
 """Chapter "survive faults": what a checkpoint holds on disk, per strategy, against 12N.
 
 ``write_faults_table`` reads the checkpoint folders of the chapter's runs (registered in
-common/figures.py as CHAPTER5) and writes figs/05_checkpoint_table.md: files, bytes per
+tools/figures.py as CHAPTER5) and writes figs/05_checkpoint_table.md: files, bytes per
 rank's data file, and the total against the formula. A checkpoint holds the fp32 weights
 (4N bytes) and AdamW's two moments (8N), N = parameters, whatever the strategy: DDP's
 replicas are written once (DCP spreads the identical tensors over the ranks), FSDP's
@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.memory import fmt_bytes
+from common.measure.memory import fmt_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 
 
 def checkpoint_row(run: Path) -> dict:

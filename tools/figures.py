@@ -1,11 +1,11 @@
-"""Regenerate every figure in figs/ from real runs: ``python -m common.figures``.
+"""Regenerate every figure in figs/ from real runs: ``python -m tools.figures``.
 
 Each chapter lists the runs it needs (a script and its flags) and which of their outputs
 become which figure. ``--only 01`` regenerates the figures whose names start with 01;
 ``--device cuda`` runs on a GPU (the figures then get a ``_cuda`` suffix so the CPU ones
 stay). Runs go to runs/figs/<run name>/.
 
-Runs that share a ``job`` are launched together: one torchrun job (common/multirun.py)
+Runs that share a ``job`` are launched together: one torchrun job (tools/multirun.py)
 calls their scripts one after another, because starting processes that import torch is
 a good part of a short run's cost on a small machine. The jobs' output goes to
 runs/figs/<job>.log; the terminal shows one progress bar over all the runs.
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.memory import fmt_bytes
+from common.measure.memory import fmt_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT  # noqa: E402
 
 
 @dataclass
@@ -85,7 +85,7 @@ CHAPTER3A: list[Run] = [
 # ---- chapter 3b: the model-parallel family --------------------------------------------
 # Every strategy on the same 4 ranks, model, data and batch, so the table compares like
 # with like. 8 layers: the interleaved schedule needs two stages per rank. Their own job:
-# DTensor meshes of one job can meet a stale cached group (common/multirun.py).
+# DTensor meshes of one job can meet a stale cached group (tools/multirun.py).
 _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
        "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "2"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
@@ -107,7 +107,7 @@ CHAPTER3B: list[Run] = [
     Run(STRATEGIES + "ddp", "step3_multi_gpu/train_ddp.py", _3B, **_MP4),
     Run(STRATEGIES + "fsdp", "step3_multi_gpu/train_fsdp.py", _3B, **_MP4),
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
-    Run("03_bubble", "common/pipeline_bubble.py",
+    Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
          "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
         nproc=2, job="2_ranks_pipeline", figures={"03_pipeline_bubble.png": "pipeline_bubble.png",
@@ -186,7 +186,7 @@ def chapter1_table(suffix: str = "") -> dict[str, str]:
 def chapter3b_table(suffix: str = "") -> dict[str, str]:
     """Measured per-rank memory, bytes and step time of every strategy among the 03_strategies
     runs; written to figs/03b_table.md and returned as {README marker: markdown}."""
-    from common.model_parallel import chapter3b_table as table
+    from step3_multi_gpu.tables import chapter3b_table as table
     runs = run_dir(STRATEGIES, suffix)
     if not runs.exists():
         print(f"skipped the chapter 3b table: {runs} is missing", flush=True)
@@ -203,7 +203,7 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     """Each saving's trace beside the baseline's, the peaks by category, and the table.
 
     Returns {README marker: table}."""
-    from common.compare import RunResult, markdown_table, render_beside, render_peak_bars
+    from tools.compare import RunResult, markdown_table, render_timelines, render_peak_bars
 
     runs = {r.name: RunResult.load(_CH2_LABELS[r.name], run_dir(r.name, suffix))
             for r in CHAPTER2 if r.name in _CH2_LABELS}
@@ -216,8 +216,8 @@ def chapter2(suffix: str = "") -> dict[str, str]:
         ("02_amp", "02_memory_trace_amp", "AMP (bf16 autocast) beside the fp32 baseline"),
         ("02_amp_ac", "02_memory_trace_amp_ac", "AMP + full activation checkpointing beside the fp32 baseline"),
     ]:
-        render_beside([runs["02_baseline"], runs[name]], figs / f"{fig}{suffix}.png", f"{title}: {what}")
-    render_beside([runs["02_baseline"], runs["02_accum_fp32"], runs["02_amp_ac_accum"]],
+        render_timelines([runs["02_baseline"], runs[name]], figs / f"{fig}{suffix}.png", f"{title}: {what}")
+    render_timelines([runs["02_baseline"], runs["02_accum_fp32"], runs["02_amp_ac_accum"]],
                   figs / f"02_memory_trace_accum{suffix}.png",
                   f"Gradient accumulation (4 micro-batches of 2) beside the fp32 baseline: {what}")
     render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
@@ -252,8 +252,8 @@ _CH3_COMPARE = {"03_strategies/ddp": "DDP", "03_strategies/fsdp": "FSDP (ZeRO-3)
 
 def chapter3_compare(suffix: str = "") -> dict[str, str]:
     """figs/03_memory_compare.png (and its per-rank peak bars) from chapter 3's runs, with
-    ``python -m common.compare``; the runs that are missing are left out."""
-    from common.compare import compare
+    ``python -m tools.compare``; the runs that are missing are left out."""
+    from tools.compare import compare
 
     have = {name: label for name, label in _CH3_COMPARE.items() if (run_dir(name, suffix) / "summary.json").exists()
             and (run_dir(name, suffix) / "memory_trace.json").exists()}
@@ -328,7 +328,7 @@ def estimates(suffix: str = "") -> dict[str, str]:
     import contextlib
     import io
 
-    from common.estimate import main as estimate
+    from tools.estimate import main as estimate
     if suffix:
         return {}
     blocks = {}
@@ -356,9 +356,9 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
     return {"gpu-check": "\n\n".join(p.read_text().strip() for p in reports)}
 
 
-from common.dp_theory import write_chapter3a_table  # noqa: E402
+from step3_multi_gpu.tables import write_chapter3a_table  # noqa: E402
 
-from common.faults_report import write_faults_table  # noqa: E402
+from step4_multi_node.tables import write_faults_table  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
@@ -431,7 +431,7 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
     first = job[0]
     cmd = [sys.executable] if first.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={first.nproc}"]
-    cmd += ["common/multirun.py", "--runs", json.dumps([{"name": r.name, "script": r.script,
+    cmd += ["tools/multirun.py", "--runs", json.dumps([{"name": r.name, "script": r.script,
                                                          "argv": argv(r, suffix, device)} for r in job])]
     log = ROOT / "runs" / "figs" / f"{first.job}{suffix}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -456,7 +456,7 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
 
 
 def record_provenance(written: list[Path], device: str, argv: list[str], path: Path = ROOT / "figs" / "made_on.json",
-                      tool: str = "python -m common.figures"):
+                      tool: str = "python -m tools.figures"):
     """Remember, per file in figs/, the device, torch version, date and command that made it:
     regenerating one chapter keeps the others' entries."""
     import datetime

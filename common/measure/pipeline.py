@@ -1,0 +1,99 @@
+"""Timing a pipeline: each stage's compute, and the bubble (the rest of the step) beside
+its formula and the schedule's simulation."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from common.parallelize.pp import bubble_formula, simulate_schedule
+
+
+class ComputeTimer:
+    """Time each stage's forward and backward micro-batch computations (the busy time).
+
+    Wraps the stage methods every ``torch.distributed.pipelining`` schedule calls, and the
+    schedule's ``step``. The bubble is the rest of the pipeline's step: waiting for the
+    neighbours. Wall-clock timestamps (``time.time()``) let ``bubble_report`` line the
+    ranks up on one shared time axis (the ranks of one machine share its clock).
+    """
+
+    def __init__(self, schedule, stages, device):
+        self.busy_s, self.start, self.end = 0.0, None, None
+        # A GPU runs asynchronously: wait for it around each timed piece, or the host's
+        # clock measures kernel launches rather than kernels. (That wait removes a little
+        # overlap of communication with compute, so the GPU bubble is slightly overstated.)
+        self._sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+        step = schedule.step
+
+        def timed_step(*args, **kwargs):
+            self._sync()
+            self.start = time.time()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._sync()
+                self.end = time.time()
+        schedule.step = timed_step
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            self._sync()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.busy_s += time.perf_counter() - t
+        return run
+
+    def take(self) -> dict[str, float]:
+        """This step's compute seconds and the schedule step's start and end timestamps."""
+        out = {"busy_s": self.busy_s, "pipeline_start": self.start, "pipeline_end": self.end}
+        self.busy_s = 0.0
+        return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> dict:
+    """Measured idle fraction per rank beside the formula and the schedule simulation.
+
+    A step's window runs from the first rank entering the schedule's step to the last rank
+    leaving it; a rank's idle time is the window minus its compute. Median over the
+    untraced steps after the first (a median shrugs off a step where another program took
+    the CPU). Every rank must call this (it gathers each rank's timings).
+    """
+    rows = [r for r in metrics.rows[1:] if not r["traced"]] or metrics.rows
+    # Only the steps this process ran have timings (after --resume, rank 0's rows also hold
+    # the earlier steps, read back from metrics.jsonl, without them).
+    rows = [r for r in rows if r.get("pipeline_start") is not None]
+    mine = [(r["step"], r["pipeline_start"], r["pipeline_end"], r["busy_s"]) for r in rows]
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    common = set.intersection(*({s[0] for s in steps} for steps in everyone))
+    everyone = [[s for s in steps if s[0] in common] for steps in everyone]
+    mine = everyone[ctx.rank]
+    if not mine:
+        return {"window_s": None, "per_rank": [], "formula": bubble_formula(schedule, pp, microbatches)}
+    windows = [max(rank[i][2] for rank in everyone) - min(rank[i][1] for rank in everyone)
+               for i in range(len(mine))]
+    per_rank = []
+    for rank, steps in enumerate(everyone):
+        busy = [s[3] for s in steps]
+        per_rank.append({"rank": rank, "busy_s": _median(busy),
+                         "idle_s": _median([w - b for w, b in zip(windows, busy)]),
+                         "idle_fraction": _median([1 - b / w for w, b in zip(windows, busy)])})
+    window = _median(windows)
+    out = {"window_s": window, "per_rank": per_rank, "formula": bubble_formula(schedule, pp, microbatches)}
+    if schedule in ("gpipe", "1f1b"):
+        out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
+    return out

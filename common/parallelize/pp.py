@@ -1,0 +1,181 @@
+"""Pipeline parallelism: which layers a stage owns, the stage modules, the schedules, and the
+loss and validation through the pipeline.
+
+Every stage keeps the full model's layer names (``layers.3``...) and its weights, built on
+the meta device and pruned, so a rank never allocates the layers it does not own and any
+split loads any other's checkpoint. ``check_pp`` refuses the shapes that cannot run, in
+one sentence, before any rank starts to communicate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+from common.measure.theory import stage_layers  # the formulas live in theory.py
+from common.model import ModelConfig, Transformer
+from common.training import global_loss
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
+
+
+def stage_indices(rank: int, pp: int, schedule: str) -> list[int]:
+    """The stages this rank runs: one, or for the interleaved schedule one per loop (r, r + pp)."""
+    return [rank + k * pp for k in range(STAGES_PER_RANK[schedule])]
+
+
+def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global_batch: int):
+    """Refuse pipeline shapes that cannot run (before any collective)."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    n_stages = pp * STAGES_PER_RANK[schedule]
+    if cfg.n_layers < n_stages:
+        raise UserError(f"{n_stages} pipeline stages ({pp} ranks x {STAGES_PER_RANK[schedule]} with {schedule}) "
+                        f"but the model has only {cfg.n_layers} layers; use fewer ranks or more --n-layers.")
+    if microbatches <= 0:
+        raise UserError(f"--microbatches must be positive (got {microbatches}).")
+    if schedule == "1f1b" and microbatches < pp:
+        raise UserError(f"1f1b needs at least as many micro-batches as pipeline ranks; use --microbatches {pp} "
+                        f"or more (got {microbatches}).")
+    if schedule == "interleaved1f1b" and microbatches % pp:
+        raise UserError(f"interleaved1f1b needs the number of micro-batches to be a multiple of the {pp} "
+                        f"pipeline ranks; use --microbatches {pp * max(1, round(microbatches / pp))} "
+                        f"(got {microbatches}).")
+    if global_batch % microbatches:
+        raise UserError(f"--global-batch-size {global_batch} does not split into {microbatches} equal "
+                        f"micro-batches; use a multiple of {microbatches}.")
+
+
+def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0, parallelize=None) -> Transformer:
+    """The part of the model that pipeline stage ``stage`` owns, with the full model's weights.
+
+    Built on the meta device, pruned, then materialised: a rank never allocates the layers
+    it does not own. ``parallelize(module)``, if given, runs before materialising (tensor
+    parallelism or FSDP inside the stage, for 3-D). Layer names keep their global index
+    and ``init_weights`` seeds each parameter by its name, so the weights equal the
+    single-process model's. The RoPE tables are buffers of the model, so every stage has them.
+    """
+    with torch.device("meta"):
+        model = prune_to_stage(Transformer(cfg), stage, n_stages)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def prune_to_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """Keep only what pipeline stage ``stage`` of ``n_stages`` owns: its layers, plus the
+    embedding on the first stage and the final norm and output layer on the last."""
+    mine = {str(i) for i in stage_layers(model.cfg.n_layers, n_stages)[stage]}
+    for name in [n for n in model.layers if n not in mine]:
+        del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != n_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def make_schedule(schedule: str, stages, microbatches: int, loss_fn):
+    """The ``torch.distributed.pipelining`` schedule for ``stages`` (this rank's)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    if schedule == "interleaved1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """Each rank's textbook order of forward ("F", i) and backward ("B", i) micro-batch
+    steps: GPipe runs every forward first; 1F1B starts backwards after p - 1 - rank
+    warm-up forwards, so stage s has at most p - s micro-batches in flight."""
+    order = []
+    for r in range(pp):
+        if schedule == "gpipe":
+            ops = [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        elif schedule == "1f1b":
+            warm = min(pp - 1 - r, microbatches)
+            ops = [("F", i) for i in range(warm)]
+            for i in range(microbatches - warm):
+                ops += [("F", warm + i), ("B", i)]
+            ops += [("B", i) for i in range(microbatches - warm, microbatches)]
+        else:
+            raise ValueError(schedule)
+        order.append(ops)
+    return order
+
+
+def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0):
+    """Idle fraction per rank of the textbook GPipe / 1F1B order, with uniform stages.
+
+    Each rank runs its forward (cost ``f``) and backward (cost ``b``) micro-batch steps in
+    the schedule's order, each as soon as its input has arrived (forward of micro-batch i
+    on stage s after stage s-1's; backward after stage s+1's). Communication is free.
+    Returns (per-rank idle fraction of the step, step length). For both schedules this
+    gives (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the
+    bubble.
+    """
+    order = schedule_order(schedule, pp, microbatches)
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * pp
+    pos = [0] * pp
+    while any(pos[r] < len(order[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(order[r]):
+                kind, i = order[r][pos[r]]
+                dep = ("F", r - 1, i) if kind == "F" and r > 0 else ("B", r + 1, i) if kind == "B" and r < pp - 1 \
+                    else ("F", r, i) if kind == "B" else None
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done.get(dep, 0.0))
+                clock[r] = done[(kind, r, i)] = start + (f if kind == "F" else b)
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlocks")
+    total = max(clock)
+    busy = microbatches * (f + b)
+    return [1 - busy / total] * pp, total
+
+
+def bubble_formula(schedule: str, pp: int, microbatches: int) -> float:
+    """The idle fraction of a step: (p-1)/(m+p-1); interleaving v stages per rank: (p-1)/(v*m+p-1)."""
+    v = STAGES_PER_RANK[schedule]
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def pipeline_loss(losses: list[torch.Tensor], last_rank: int, device, group=None) -> torch.Tensor:
+    """The batch loss on every rank of the pipeline: the last stage's mean over micro-batches,
+    broadcast from ``last_rank`` (its rank within ``group``)."""
+    loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
+    src = last_rank if group is None else dist.get_global_rank(group, last_rank)
+    dist.broadcast(loss, src=src, group=group)
+    return loss
+
+
+@torch.no_grad()
+def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last: bool, last_rank: int,
+                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1):
+    """Validation loss through the pipeline: forward-only passes of the schedule.
+
+    With data parallelism too (3-D), each pipeline evaluates its share of every batch and
+    the losses are averaged over ``dp_group``.
+    """
+    if args.eval_batches == 0 or len(tokens) <= args.seq_len * args.global_batch_size or not hasattr(schedule, "eval"):
+        return None
+    from common.data import Batches
+    batches = iter(Batches(tokens, args.seq_len, args.global_batch_size, dp_rank, dp_size, shuffle=False))
+    total = 0.0
+    for _ in range(args.eval_batches):
+        x, y = next(batches)
+        x, y = x.to(device), y.to(device)
+        losses = []
+        schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+        total += global_loss(pipeline_loss(losses, last_rank, device, pp_group), dp_group, dp_size).item()
+    return total / args.eval_batches

@@ -1,0 +1,125 @@
+"""A run's bookkeeping in one object, so that a training script shows only its lesson.
+
+    run = Run(args, ctx, model, optimizer, scheduler, data, strategy="ddp", title="DDP")
+    for step in run.steps():          # a progress bar; starts after the checkpoint with --resume
+        with run.step(step):          # memory trace and communication count of this step
+            ...forward, backward, optimizer.step()...
+        run.log(step, loss)           # metrics.jsonl, LR schedule, NaN check, checkpoint
+    run.finish(val_loss=...)          # figure, summary.json, predicted vs measured, bytes sent
+
+What it drives, each living in its own module:
+- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--on-nan``;
+- ``MemoryTracer`` (common/measure/memory.py): the categorised timeline of a few steps;
+- ``CommCounter`` (common/measure/comm.py): bytes by collective, per optimizer step;
+- ``Metrics`` (common/measure/metrics.py): step time, tokens/s, MFU, the files in --out;
+- ``theory.report`` (common/measure/theory.py): the formulas beside the measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from common.checkpoint import Checkpointer, save_full_weights, skip_nonfinite_step
+from common.distributed import launch_hint
+from common.measure import theory
+from common.measure.comm import CommCounter, print_comm
+from common.measure.memory import MemoryTracer
+from common.measure.metrics import Metrics
+
+
+class Run:
+    """``models``: one module, or a list (a pipeline rank's stages). ``strategy``: the
+    name theory.py predicts for (None: no prediction). ``predict``: the extra keyword
+    arguments of that prediction (shard, accum, dtype, ac, ...). ``fsdp``: let the tracer
+    see FSDP's gathered parameters. ``sources``: optimizer state the tracer cannot find
+    by itself (ZeRO-1's inner optimizer)."""
+
+    def __init__(self, args, ctx, models, optimizer, scheduler=None, data=None, *, strategy: str | None,
+                 title: str, parallel: dict | None = None, dtype: str = "fp32", predict: dict | None = None,
+                 fsdp: bool = False, sources=(), ckpt_optimizer=None, checkpoint: bool = True):
+        self.args, self.ctx, self.scheduler = args, ctx, scheduler
+        self.strategy, self.title, self.predict = strategy, title, predict or {}
+        self.parallel = parallel or {"dp": ctx.world_size}
+        self.models = list(models) if isinstance(models, (list, tuple)) else [models]
+        script = Path(sys.argv[0])
+        if script.parent.name == "step3_multi_gpu":  # a multi-GPU lesson run by plain python: one rank
+            launch_hint(ctx, f"{script.parent.name}/{script.name}")
+        skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
+        # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
+        part = self.models if len(self.models) > 1 else self.models[0]
+        self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
+                                 parallel=self.parallel) if checkpoint else None
+        self.start = self.ckpt.resume() if self.ckpt else 0  # the step after the newest checkpoint
+        self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
+                                   start=args.trace_start, steps=args.trace_steps, sources=sources)
+        if fsdp:
+            from common.parallelize.fsdp import trace_fsdp_memory
+            for m in self.models:
+                trace_fsdp_memory(self.tracer, m)  # FSDP's gathered weights count as parameters
+        self.metrics = Metrics(args, ctx, optimizer, parallel=self.parallel, dtype=dtype)
+        self.comm, self.comm_steps = CommCounter(), 0
+
+    def steps(self):
+        """The step numbers still to run, with the progress bar (rank 0)."""
+        return self.metrics.progress(self.start)
+
+    def counts_comm(self, step: int) -> bool:
+        """Whether this step's bytes are counted: two steps, after the first two, which do
+        one-time work (a pipeline's shape exchange in the first, DDP's bucket rebuild in the
+        second). The traffic is the same every step after that. A counted step, like a
+        traced one, runs under a dispatch mode, where torch.compile's graphs do not run: it
+        is an eager step, left out of the throughput."""
+        if self.ctx.world_size == 1:
+            return False  # no collectives to count
+        first = min(self.start + 2, self.args.steps - 1)
+        return first <= step < first + 2
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Trace the step's memory and count its bytes, if it is one of the steps for that."""
+        count = self.counts_comm(step)
+        self.comm_steps += count
+        with self.tracer.record(step), (self.comm if count else contextlib.nullcontext()):
+            yield
+
+    def log(self, step: int, loss, **extra):
+        """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank."""
+        # Traced and counted steps run under a dispatch mode: left out of the throughput.
+        self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step), **extra)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ckpt is not None:
+            self.ckpt.end_step(step, self.metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+
+    @property
+    def last_loss(self) -> float:
+        return self.metrics.last_loss
+
+    def comm_by_rank(self) -> list[dict] | None:
+        """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""
+        mine = self.comm.summary(per=max(1, self.comm_steps))
+        if not (dist.is_initialized() and self.ctx.world_size > 1):
+            return [mine]
+        out = [None] * self.ctx.world_size if self.ctx.is_main else None
+        dist.gather_object(mine, out, dst=0)
+        return out
+
+    def finish(self, val_loss: float | None = None, **extra) -> dict | None:
+        """Draw the memory figure, write summary.json, print prediction and bytes (rank 0);
+        with --save-weights, gather the weights into OUT/weights.pt."""
+        a, ctx = self.args, self.ctx
+        if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
+            save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
+        memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"
+                                  f"{'s' if ctx.world_size > 1 else ''}: {a.model} model, batch "
+                                  f"{a.global_batch_size} x {a.seq_len} tokens, {ctx.device.type}")
+        comm = self.comm_by_rank()
+        predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
+        if self.strategy:
+            extra |= {"strategy": self.strategy, "predicted": predicted}
+        summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
+        print_comm(ctx, comm, self.metrics.n_params)
+        return summary
