@@ -11,10 +11,18 @@ are dropped.
 
 Two choices keep the strategies exact and simple:
 - the rotary tables are real cos/sin buffers (no complex numbers, which DTensor and
-  gloo handle poorly) and are cast to the activation dtype where they are used, so a
-  bf16 compute dtype never meets an fp32 buffer;
+  gloo handle poorly), cast once per forward to the dtype attention computes in and
+  handed to every block, so a bf16 compute dtype never meets an fp32 buffer (FSDP2
+  never casts buffers);
 - the local number of heads is inferred from the projection's output (``view(..., -1,
   head_dim)``), so the same code runs with all heads or with 1/tp of them.
+
+It is also lean in eager mode: outside the matmuls a GPU step is a string of
+memory-bound kernels, each reading and writing whole activations, so every extra
+cast or copy costs time (``python -m tools.bench_model`` counts them against a GPT-2
+block). Hence PyTorch's fused RMSNorm, RoPE in two multiplies and an add, SDPA's own
+grouped-query support instead of copied k/v heads, and each norm's output cast to
+autocast's dtype once rather than once per projection that reads it.
 """
 from __future__ import annotations
 
@@ -95,34 +103,45 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm``, returning its output in autocast's dtype when autocast is on.
+
+    ``F.rms_norm`` normalises in fp32 whatever the input dtype, and on CUDA it is one
+    fused kernel each way when the input and the gain share a dtype (the fp32 residual
+    stream under autocast, bf16 under FSDP's mixed precision). Several projections read a
+    norm's output (q, k and v; gate and up) and autocast would make one bf16 copy of it
+    for each of them, in forward and again for the gradients: one cast here serves them all.
+    """
+
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(dim, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even when x is bf16: the mean of squares loses precision fast.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
+        y = super().forward(x)
+        device = y.device.type
+        return y.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else y
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_seq_len, head_dim) tables: the angle of pair i repeated for both of its
+    elements, and the sine signed for the element it is subtracted from (apply_rope)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    cos = angles.cos().repeat_interleave(2, dim=-1)                      # c0 c0 c1 c1 ...
+    sin = torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2)  # -s0 s0 -s1 s1 ...
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (batch, seq, heads, head_dim)."""
-    cos = cos[: x.shape[1]].to(x.dtype)[None, :, None, :]  # cast: fp32 tables, bf16 compute
-    sin = sin[: x.shape[1]].to(x.dtype)[None, :, None, :]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (batch, seq, heads, head_dim).
+
+    (a, b) -> (a cos - b sin, b cos + a sin) is x * cos + (x with each pair swapped) * sin,
+    the minus sign living in the table: one copy (the swap) and three elementwise ops,
+    where slicing out the even and odd elements and stacking them back took eight.
+    """
+    cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos + swapped * sin
 
 
 class Attention(nn.Module):
@@ -141,10 +160,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[2] != q.shape[2]:  # grouped-query attention: share each k/v head
+        grouped = k.shape[2] != q.shape[2]  # grouped-query attention: each k/v head serves several q heads
+        if grouped and x.device.type == "cuda" and q.dtype == torch.float32:
+            # CUDA's grouped-query kernel (flash) is half/bf16 only: fp32 with enable_gqa
+            # would fall back to the math kernel, which stores the seq x seq scores.
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
             v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            grouped = False
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -190,10 +214,17 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage without the embedding receives hidden states instead of tokens.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_for(h)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def rope_for(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables in the dtype q and k will have: autocast's if it is on, else h's."""
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        return self.rope_cos.to(dtype), self.rope_sin.to(dtype)  # no copy when already in dtype
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):

@@ -30,10 +30,10 @@ def step1(tmp_path_factory):
 def test_formulas_equal_hand_computed_bytes(step1):
     p = theory.predict(theory.Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
     assert p["parameters"] == p["gradients"] == 4 * N and p["optimizer state"] == 8 * N + 4 * T
-    # 2 sequences x 32 tokens per rank; per token and layer 4(10d + 4f + h + 2) bytes; the head
-    # 12d + 4 + 4V (logits) + 4V (log-probs); the batch's x and y, 16 bytes per token
-    d, f, h, v = 64, 192, 4, 256
-    assert p["activations"] == 64 * (4 * 4 * (10 * d + 4 * f + h + 2) + 12 * d + 4 + 8 * v + 16)
+    # 2 sequences x 32 tokens per rank; per token and layer 4(8d + 2kv + 4f + h + 2) bytes; the
+    # head 12d + 4 + 4V (logits) + 4V (log-probs); the batch's x and y, 16 bytes per token
+    d, kv, f, h, v = 64, 32, 192, 4, 256
+    assert p["activations"] == 64 * (4 * 4 * (8 * d + 2 * kv + 4 * f + h + 2) + 12 * d + 4 + 8 * v + 16)
     assert p["comm"] == {"all_reduce": 4 * N}
     z3 = theory.predict(theory.Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
     assert z3["parameters"] == 4 * N // 4 and z3["optimizer state"] == 8 * N // 4 + 4 * T  # debug splits evenly

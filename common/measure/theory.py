@@ -17,21 +17,24 @@ stage, then tensor parallel, then data parallel over what is left):
 
 Activations. Counted from what autograd saves in our block (checked with
 ``torch.autograd.graph.saved_tensors_hooks`` and against the memory tracer), per token
-and per layer, d = dim, f = ffn_dim, h = heads (GQA's k/v are repeated to h heads before
-attention, and the repeated copies are what attention saves):
+and per layer, d = dim, f = ffn_dim, h = heads, kv = n_kv_heads x head_dim (the width of
+k and v: attention reads grouped k/v heads as they are, nothing is copied to h heads):
 
-  fp32, no AC   4 x (10d + 4f + h + 2) bytes: the block input, each RMSNorm's normalised
-                x and its output (3d, twice), q, k, v and attention's output (4d), the
-                residual after attention (d), the MLP's w1, silu, w3 and product (4f),
-                attention's log-sum-exp (h) and the two norms' 1/rms (2).
-                RoPE saves nothing (its tables need no gradient).
-  bf16 (AMP)    34d + 8f + 4h + 8 bytes under torch.autocast: the residual stream and the
-                norms stay fp32 (the block input, normalised x, residual: 4 x 4d), each
-                projection saves its own bf16 copy of its input (autocast does not cache
-                activation casts: 3 x 2d for q/k/v, 2 x 2d for w1/w3), q/k/v/out 4 x 2d,
-                the MLP 4 x 2f, lse 4h; plus, per step, a bf16 copy of every weight
-                matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables
-                cast per layer.
+  fp32, no AC   4 x (8d + 2kv + 4f + h + 2) bytes: the block input, each RMSNorm's
+                normalised x and its output (3d, twice), q and attention's output (2d),
+                k and v (2kv), the residual after attention (d), the MLP's w1, silu, w3
+                and product (4f), attention's log-sum-exp (h) and the two norms' 1/rms (2).
+                RoPE saves nothing but its tables (they need no gradient).
+  bf16 (AMP)    24d + 4kv + 8f + 4h + 8 bytes under torch.autocast: the residual stream
+                and the norms stay fp32 (the block input, normalised x, residual: 4 x 4d),
+                each norm's output is cast to bf16 once and that copy is what its
+                projections save (2 x 2d), q/out 2 x 2d, k/v 2 x 2kv, the MLP 4 x 2f, lse
+                4h, the norms' 1/rms 8; plus, per step, a bf16 copy of every weight
+                matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables,
+                cast to bf16 once per forward (4 x max_seq_len x head_dim).
+                On CUDA the fused RMSNorm's backward needs x and 1/rms only, so it should
+                keep the normalised x (4d per norm) less than this CPU count (not yet
+                measured on a GPU).
   full AC       the block input only: 4d (fp32 residual stream, also under autocast);
                 backward recomputes one block at a time (a transient, not an activation).
 
@@ -254,17 +257,22 @@ def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank:
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", ac: str = "none", tp: int = 1,
                            sequence_parallel: bool = False) -> int:
     """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes)."""
-    d, f, h = cfg.dim, cfg.ffn_dim, cfg.n_heads
+    d, f, h, kv = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads * cfg.head_dim
     if ac == "full":
         return 4 * d * tokens // (tp if sequence_parallel else 1)
     if dtype == "fp32":
-        replicated, sharded = 4 * (6 * d + 2), 4 * (4 * d + h + 4 * f)
+        # replicated: the norms' inputs, normalised x, outputs and 1/rms; sharded over
+        # heads and MLP units: q, attention's output, k, v, the MLP's four, lse
+        replicated, sharded = 4 * (6 * d + 2), 4 * (2 * d + 2 * kv + h + 4 * f)
         if sequence_parallel:  # x, 1/rms and normalised x split along the sequence; the norm's output gathered
             replicated, sharded = 4 * 2 * d, sharded + 4 * (4 * d + 2)
     else:  # torch.autocast bf16
-        replicated, sharded = 30 * d + 8, 8 * d + 4 * h + 8 * f
-        if sequence_parallel:
-            replicated, sharded = 10 * d, sharded + 20 * d + 8
+        # replicated: the fp32 block input, normalised x (twice) and residual (16d), the
+        # norms' 1/rms (8) and their outputs' bf16 copies (2 x 2d); sharded: q and
+        # attention's output (2 x 2d), k and v (2 x 2kv), lse (4h), the MLP's four (8f)
+        replicated, sharded = 20 * d + 8, 4 * d + 4 * kv + 4 * h + 8 * f
+        if sequence_parallel:  # the norms' bf16 outputs gathered; the rest split along the sequence
+            replicated, sharded = 4 * d, sharded + 16 * d + 8
     return tokens * (replicated + sharded // tp)
 
 
@@ -368,8 +376,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.dtype == "bf16":
         if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
             act += amp_weight_copies(shapes)
-        if plan.ac != "full":
-            act += n_layers * in_flight * 4 * plan.seq_len * cfg.head_dim  # RoPE tables cast to bf16
+        if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
+            act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
