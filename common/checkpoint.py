@@ -243,11 +243,14 @@ class Checkpointer:
         # stages keep the full model's layer names), so any split loads into any other.
 
     # ---- called once per step by the training loop ---------------------------------------
-    def end_step(self, step: int, loss: float):
-        """After an optimizer step: stop on a non-finite loss, save, inject a test fault."""
+    def end_step(self, step: int, loss: float, grad_norm: float | None = None):
+        """After an optimizer step: stop on a non-finite loss or gradient norm, save, inject a test fault."""
         if not math.isfinite(loss) and self.args.on_nan == "stop":
             raise UserError(f"the loss is {loss} at step {step} (rank {self.ctx.rank}); lower --lr, or pass "
                             f"--on-nan skip to skip such steps.")
+        if grad_norm is not None and not math.isfinite(grad_norm) and self.args.on_nan == "stop":
+            raise UserError(f"the gradient norm is {grad_norm} at step {step} (rank {self.ctx.rank}); lower --lr, "
+                            f"or pass --on-nan skip to skip such steps.")
         last = step == self.args.steps - 1
         if self.args.ckpt_every and ((step + 1) % self.args.ckpt_every == 0 or last):
             self.save(step)

@@ -41,6 +41,12 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--trace-start", type=int, default=1,
                    help="first recorded step, after warm-up (default: 1, the second step)")
     g.add_argument("--trace-steps", type=int, default=2, help="number of recorded steps (default: 2)")
+    g.add_argument("--max-norm", type=float, default=1.0,
+                   help="clip the gradients to this global norm before each optimizer step (default: 1.0, "
+                        "the usual LLM recipe; 0 only measures it); the norm is logged as grad_norm")
+    g.add_argument("--clip-by", default="global", choices=("global", "local"),
+                   help="global (default): the norm of all the gradients, whatever the split; local: the "
+                        "wrong way, for the lesson: each rank clips by the norm of the part it holds")
     g.add_argument("--save-weights", action="store_true",
                    help="at the end, gather the trained weights into one plain file, OUT/weights.pt")
     g.add_argument("--eval-batches", type=int, default=4,
@@ -61,6 +67,8 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     for flag in ("warmup_steps", "trace_start", "eval_batches"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)}).")
+    if not (args.max_norm >= 0 and math.isfinite(args.max_norm)):
+        raise UserError(f"--max-norm must be 0 (no clipping) or a positive number (got {args.max_norm}).")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise UserError(f"--lr must be a positive number (got {args.lr}).")
     if not 0 <= args.seed < 2**63:

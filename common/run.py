@@ -87,12 +87,14 @@ class Run:
 
     def log(self, step: int, loss, **extra):
         """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank."""
+        extra = {k: v.item() if hasattr(v, "item") else v for k, v in extra.items()}  # grad_norm: a tensor
         # Traced and counted steps run under a dispatch mode: left out of the throughput.
         self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step), **extra)
         if self.scheduler is not None:
             self.scheduler.step()
         if self.ckpt is not None:
-            self.ckpt.end_step(step, self.metrics.last_loss)  # NaN check, --ckpt-every, --fail-at-step
+            # NaN check (of the loss and the gradient norm), --ckpt-every, --fail-at-step
+            self.ckpt.end_step(step, self.metrics.last_loss, extra.get("grad_norm"))
 
     @property
     def last_loss(self) -> float:

@@ -121,3 +121,40 @@ def compile_unsupported(device: torch.device) -> str | None:
         if not has_triton():
             return "--compile on CUDA needs Triton (pip install triton); install it or drop --compile."
     return None
+
+
+# ---- the global gradient norm ----------------------------------------------------------------
+def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) -> torch.Tensor:
+    """Clip the gradients to a global norm of ``max_norm`` (0: measure only); return the norm
+    before clipping, the same number on every rank.
+
+    PyTorch's ``get_total_norm`` is right on one device, under DDP and ZeRO-1 (every rank
+    holds the same all-reduced gradients) and on DTensor gradients (FSDP's shards, TP's
+    slices, HSDP's replicas): a DTensor's norm is reduced over the ranks that hold parts
+    of it and counted once over those that hold copies. Two things it does not do, hence
+    the lines below: a model whose gradients are partly DTensors and partly plain tensors
+    (TP leaves the norms' weights plain) is summed group by group, and a pipeline's stages,
+    each holding other parameters, add their sums of squares over ``pp_group``.
+
+    ``local``: the wrong way, for the lesson: each rank clips by the norm of what it holds.
+    """
+    from common.measure.comm import purpose  # the byte counts show the norm's traffic apart
+
+    params = [p for p in params if p.grad is not None]
+    groups: dict = {}
+    for p in params:  # one group per kind of gradient: plain, or DTensor on a mesh with placements
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) and not local else None
+        groups.setdefault(key, []).append(p)
+    squares = torch.zeros((), device=params[0].device if params else "cpu")
+    with purpose("grad norm"):
+        for group in groups.values():
+            grads = [p.grad.to_local() if local and isinstance(p.grad, DTensor) else p.grad for p in group]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            squares = squares + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+        if pp_group is not None and not local:
+            dist.all_reduce(squares, group=pp_group)
+        total = squares.sqrt()
+        if max_norm > 0:
+            for group in groups.values():  # PyTorch's foreach kernels take one kind of tensor at a time
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

@@ -18,7 +18,7 @@ from common.distributed import distributed
 from common.errors import main_guard
 from common.model import build_model
 from common.run import Run
-from common.training import adamw, evaluate, lr_schedule
+from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
 
 @main_guard
@@ -40,12 +40,15 @@ def main():
                 logits = model(x)  # (batch, seq, vocab)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 loss.backward()
+                # Scale all gradients down together if their global norm exceeds --max-norm:
+                # one bad batch then cannot throw the weights far. Returns the norm before.
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm)
                 optimizer.step()
                 # Free the gradients now, not at the start of the next step: they would
                 # otherwise sit in memory through the next forward pass, on top of its
                 # activations. set_to_none (the default) frees; zeroing would keep them.
                 optimizer.zero_grad(set_to_none=True)
-            run.log(step, loss)
+            run.log(step, loss, grad_norm=grad_norm)
 
         run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 

@@ -24,7 +24,7 @@ from common.errors import main_guard
 from common.parallelize.ac import apply_ac
 from common.model import build_model
 from common.run import Run
-from common.training import adamw, evaluate, lr_schedule
+from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
 
 @main_guard
@@ -67,13 +67,16 @@ def main():
                     logits = model(x)  # (batch, seq, vocab), bf16
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())  # autocast does this in fp32
                 scaler.scale(loss).backward()  # scale() and step() pass through when disabled
+                # Clip the true gradients: divide the fp16 loss scale out first (a no-op for bf16).
+                scaler.unscale_(optimizer)
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 scaler.step(optimizer)
                 scaler.update()
                 # Free the gradients now, not at the start of the next step: they would
                 # otherwise sit in memory through the next forward pass, on top of its
                 # activations. set_to_none (the default) frees; zeroing would keep them.
                 optimizer.zero_grad(set_to_none=True)
-            run.log(step, loss, loss_scale=scaler.get_scale())
+            run.log(step, loss, grad_norm=grad_norm, loss_scale=scaler.get_scale())
 
         run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 

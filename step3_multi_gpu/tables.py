@@ -51,7 +51,8 @@ _COMM_TEXT = {"ddp": "AR 4N", "zero1": "AR 4N + B 4N", "fsdp_zero2": "AG 4N + RS
               "fsdp_zero3": "AG 2 x 4N + RS 4N", "hsdp_zero3": "AG 2 x 4N + RS 4N + AR 4N/S"}
 _MEM_TEXT = {"ddp": "16N", "zero1": "8N + 8N/W", "fsdp_zero2": "16N/W", "fsdp_zero3": "16N/W",
              "hsdp_zero3": "16N/S"}
-_SHORT = {"all_reduce": "AR", "broadcast": "B", "all_gather": "AG", "reduce_scatter": "RS"}
+_SHORT = {"all_reduce": "AR", "broadcast": "B", "all_gather": "AG", "reduce_scatter": "RS",
+          "all_reduce (grad norm)": "AR (grad norm)"}
 
 
 def chapter3a_table(runs_dir, suffix: str = "") -> str:
@@ -177,3 +178,52 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
               f"'on the wire' is what a ring algorithm makes each rank send. Step time: rank 0's mean "
               f"over the untraced steps after the first."]
     return "\n".join(lines)
+
+
+# ---- clipping by the global norm, and the wrong way --------------------------------------------
+CLIP_RUNS = [("fsdp", "FSDP 4"), ("tp", "TP 4"), ("pp", "PP 4 (1F1B)")]
+
+
+def clip_table(runs_dir) -> str:
+    """Each strategy clipped by the global norm (--clip-by global) and by each rank's own
+    (--clip-by local), against one device: the norms rank 0 logged and the losses."""
+    import json
+    from pathlib import Path
+
+    def rows(name):
+        path = Path(runs_dir) / name / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else None
+
+    single = rows("single")
+    if single is None:
+        return ""
+    lines = ["| run | clipping by | grad_norm, step 0 | grad_norm, last step | loss, last step | "
+             "loss minus one device's |", "|---|---|---|---|---|---|",
+             f"| one device (step 1) | the whole model | {single[0]['grad_norm']:.4f} | {single[-1]['grad_norm']:.4f} "
+             f"| {single[-1]['loss']:.5f} | |"]
+    for name, label in CLIP_RUNS:
+        for how in ("global", "local"):
+            r = rows(f"{name}_{how}")
+            if r is None:
+                continue
+            lines.append(f"| {label} | {'the global norm' if how == 'global' else 'each rank its own'} | "
+                         f"{r[0]['grad_norm']:.4f} | {r[-1]['grad_norm']:.4f} | {r[-1]['loss']:.5f} | "
+                         f"{r[-1]['loss'] - single[-1]['loss']:+.5f} |")
+    s = json.loads((Path(runs_dir) / "single" / "summary.json").read_text())
+    lines += ["", f"{s['model']} preset, {s['model_config']['n_layers']} layers, batch {s['global_batch_size']} x "
+              f"{s['seq_len']} tokens, {s['steps']} steps, --max-norm 0.5 (every step clips); "
+              f"{s.get('device_name', s['device'])}, fp32. grad_norm is the norm before clipping as rank 0 logged it: "
+              "with --clip-by local, the norm of rank 0's part only."]
+    return "\n".join(lines)
+
+
+def write_clip_table(suffix: str = "") -> dict[str, str]:
+    """A POST_STEPS entry of tools/figures.py: figs/03_clip_table.md, and the README block."""
+    from common import ROOT as root
+
+    md = clip_table(root / "runs" / "figs" / f"03_clip{suffix}")
+    if not md:
+        return {}
+    (root / "figs" / f"03_clip_table{suffix}.md").write_text(md + "\n")
+    print(f"wrote figs/03_clip_table{suffix}.md", flush=True)
+    return {"table-03-clip" + suffix: md}

@@ -27,7 +27,7 @@ from common.model import Transformer
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
-from common.training import adamw, evaluate, global_loss, lr_schedule
+from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule
 
 
 @main_guard
@@ -73,10 +73,12 @@ def main():
                 with loss_parallel():
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                     loss.backward()  # FSDP averages the gradients over dp
+                # The global norm (FSDP x TP shards, reduced over both dimensions of the mesh).
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # Each TP group's loss is the mean over its share of the batch; average over dp.
-            run.log(step, global_loss(loss, mesh["dp"].get_group(), dp))
+            run.log(step, global_loss(loss, mesh["dp"].get_group(), dp), grad_norm=grad_norm)
 
         with loss_parallel():
             val_loss = evaluate(model, corpus.val, args, ctx.device)

@@ -32,7 +32,7 @@ from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedu
                                    stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
-from common.training import adamw, global_loss, lr_schedule
+from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
 
 
 def default_layout(args, world: int):
@@ -99,12 +99,15 @@ def main():
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 losses = []
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+                # Each stage holds other layers: their sums of squares add up along the pipeline.
+                grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
+                                           pp_group=mesh["pp"].get_group(), local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss, shared along the pipeline, then averaged over the replicas.
             loss = global_loss(pipeline_loss(losses, args.pp - 1, ctx.device, mesh["pp"].get_group()),
                                mesh["dp"].get_group(), args.dp)
-            run.log(step, loss)
+            run.log(step, loss, grad_norm=grad_norm)
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, args.pp - 1,
                                      mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)

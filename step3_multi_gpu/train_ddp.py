@@ -28,7 +28,7 @@ from common.model import build_model
 from common.parallelize import comm_hooks
 from common.parallelize.ddp import ddp_no_buffer_sync
 from common.run import Run
-from common.training import adamw, adamw_options, evaluate, global_loss, lr_schedule, micro_batch_size
+from common.training import adamw, clip_grad_norm, adamw_options, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard
@@ -88,12 +88,14 @@ def main(argv=None):
                         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum_steps
                         loss.backward()  # on the last micro-batch: all-reduce, bucket by bucket
                     step_loss += loss.detach()
+                # The global norm (the all-reduced gradients are the same on every rank).
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 # p.grad are views of DDP's buckets, which live as long as the model: setting
                 # them to None would free nothing, only hide where the 4N bytes are (from the
                 # memory trace too). Zero them instead.
                 optimizer.zero_grad(set_to_none=False)
-            run.log(step, global_loss(step_loss, dp_size=ctx.world_size))  # each rank saw its own data
+            run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
 
         run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 

@@ -28,7 +28,7 @@ from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
-from common.training import adamw, evaluate, global_loss, lr_schedule, micro_batch_size
+from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard
@@ -97,11 +97,13 @@ def main(argv=None):
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum_steps
                     loss.backward()  # per block: gather its parameters (ZeRO-3), reduce-scatter its gradients
                     step_loss += loss.detach()
+                # The global norm (each rank holds shards: the norm's squares are summed over the ranks).
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 # Unlike DDP's buckets, the sharded gradients are ordinary tensors: freeing
                 # them keeps 4N/W bytes out of the next forward pass.
                 optimizer.zero_grad(set_to_none=True)
-            run.log(step, global_loss(step_loss, dp_size=ctx.world_size))  # each rank saw its own data
+            run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
 
         run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 

@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
@@ -30,7 +31,7 @@ from common.measure.theory import stage_layers
 from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedule, pipeline_evaluate, pipeline_loss,
                                    stage_indices)
 from common.run import Run
-from common.training import adamw, lr_schedule
+from common.training import adamw, clip_grad_norm, lr_schedule
 
 
 def loss_fn(logits, targets):
@@ -75,10 +76,13 @@ def main():
                 losses = []  # filled on the last stage, one loss per micro-batch
                 # The schedule runs forward and backward of every micro-batch in its order.
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+                # Each stage holds other layers: their sums of squares add up along the pipeline.
+                grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
+                                           pp_group=dist.group.WORLD, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss, broadcast along the pipeline: every rank logs the same.
-            run.log(step, pipeline_loss(losses, pp - 1, ctx.device), **timer.take())
+            run.log(step, pipeline_loss(losses, pp - 1, ctx.device), grad_norm=grad_norm, **timer.take())
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, pp - 1)
         bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches)

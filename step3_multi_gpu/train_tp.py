@@ -29,7 +29,7 @@ from common.measure.theory import tp_bytes_per_step
 from common.model import Transformer
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
-from common.training import adamw, evaluate, global_loss, lr_schedule
+from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule
 
 
 @main_guard
@@ -73,9 +73,11 @@ def main():
                 with loss_context():
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                     loss.backward()
+                # The global norm (each weight's slices count once, the replicated norms' weights once).
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            run.log(step, global_loss(loss))  # every rank saw the whole batch: no averaging
+            run.log(step, global_loss(loss), grad_norm=grad_norm)  # every rank saw the whole batch: no averaging
 
         with loss_context():
             val_loss = evaluate(model, corpus.val, args, ctx.device)

@@ -32,7 +32,7 @@ from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
 COMMON = ["--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ), "--data", "synthetic",
-          "--eval-batches", "0", "--save-weights"]
+          "--eval-batches", "0", "--save-weights", "--max-norm", "0.5"]  # every step clips
 QUIET = COMMON + ["--no-trace-memory"]
 TRACED = COMMON + ["--trace-start", "1", "--trace-steps", "1"]  # memory measured in one step
 TP, PP = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py"
@@ -157,6 +157,11 @@ def test_parity_with_single_process(runs, n, name):
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
         assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: {got} vs single-process {ref}"
     assert r["losses"][-1] != r["losses"][0]  # it trained
+    # The global gradient norm: TP slices and replicated norms counted once, pipeline
+    # stages' squares added along the pipeline, 2-D and 3-D both.
+    assert min(r["ref_grad_norms"]) > 0.5, "every step must clip for the norms to be tested"
+    for step, (got, ref) in enumerate(zip(r["grad_norms"], r["ref_grad_norms"])):
+        assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: grad_norm {got} vs single-process {ref}"
     assert r["weight_keys_match"], "the gathered state dict does not have the full model's names"
     # Summing over ranks in another order changes a gradient by fp32 rounding (~1e-7 of its
     # size). Adam divides each update by sqrt(v), so where a gradient is itself at rounding

@@ -98,8 +98,12 @@ def test_fsdp_meta_init_gives_step1_weights_bitwise(job):
 def test_every_strategy_matches_the_single_process_run(job):
     ref = job["reference"]["losses"]
     assert len(ref) == 4
+    ref_norms = job["reference"]["grad_norms"]
+    assert min(ref_norms) > 0.5, "every step must clip (--max-norm 0.5) for the norms to be tested"
     for name, run in _runs(job):
         assert run["losses"] == pytest.approx(ref, rel=1e-5, abs=0), name
+        # the global norm, from shards (FSDP, HSDP) or all-reduced copies (DDP, ZeRO-1)
+        assert run["grad_norms"] == pytest.approx(ref_norms, rel=1e-5, abs=0), name
         # AdamW normalises every update, so fp32 rounding in a near-zero gradient can move
         # a weight by up to ~lr; all else agrees to ~1e-7.
         assert run["weights"]["max_abs"] < 1e-5, (name, run["weights"])

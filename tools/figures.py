@@ -90,6 +90,8 @@ _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq
        "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "2"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
 _MP4 = dict(nproc=4, job="4_ranks_model_parallel")
+_CLIP = ["--model", "small", "--n-layers", "4", "--global-batch-size", "8", "--seq-len", "64", "--steps", "8",
+         "--eval-batches", "0", "--no-trace-memory", "--max-norm", "0.5"]
 STRATEGIES = "03_strategies/"  # the folder of the runs the chapter 3b table and the comparison read
 CHAPTER3B: list[Run] = [
     Run("03_single", "step1_single_gpu/train.py", _3B, figures={"03_memory_trace_single.png": "memory_trace.png"}),
@@ -106,6 +108,12 @@ CHAPTER3B: list[Run] = [
     # chapter 3a's scripts on the same footing
     Run(STRATEGIES + "ddp", "step3_multi_gpu/train_ddp.py", _3B, **_MP4),
     Run(STRATEGIES + "fsdp", "step3_multi_gpu/train_fsdp.py", _3B, **_MP4),
+    # Clipping by the global gradient norm, and by each rank's own (the wrong way)
+    *[Run(f"03_clip/{name}_{how}", script, _CLIP + extra + ["--clip-by", how], **_MP4)
+      for name, script, extra in (("fsdp", "step3_multi_gpu/train_fsdp.py", []), ("tp", _TP, []),
+                                  ("pp", _PP, ["--microbatches", "4"]))
+      for how in ("global", "local")],
+    Run("03_clip/single", "step1_single_gpu/train.py", _CLIP),
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
@@ -356,14 +364,14 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
     return {"gpu-check": "\n\n".join(p.read_text().strip() for p in reports)}
 
 
-from step3_multi_gpu.tables import write_chapter3a_table  # noqa: E402
+from step3_multi_gpu.tables import write_chapter3a_table, write_clip_table  # noqa: E402
 
 from step4_multi_node.tables import write_faults_table  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
-              ("03", chapter3_compare), ("03", bubble_table), ("04", chapter4_tables), ("05", write_faults_table),
+              ("03", chapter3_compare), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report)]
 
 

@@ -25,6 +25,7 @@ also count the calls they get where the mode is not active.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -87,6 +88,8 @@ def _group_size(args) -> int:
     for a in args:
         if isinstance(a, dist.ProcessGroup):
             return a.size()
+        if isinstance(a, tuple) and len(a) == 2 and hasattr(a[0], "size") and isinstance(a[1], int):
+            return a[0].size(a[1])  # (DeviceMesh, dimension): how DTensor names a group
         if isinstance(a, torch.ScriptObject):
             try:  # c10d ops receive the group boxed as a ScriptObject: unbox it first
                 return dist.ProcessGroup.unbox(a).size()
@@ -122,9 +125,12 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
 
     def _record(self, kind: str, size: int, n: int):
+        ring = RING_FACTOR.get(kind, lambda _: 1.0)(n)
+        if getattr(_PURPOSE, "name", None):
+            kind = f"{kind} ({_PURPOSE.name})"
         with _LOCK:  # callbacks on other threads record too
             self.bytes[kind] += size
-            self.wire[kind] += size * RING_FACTOR.get(kind, lambda _: 1.0)(n)
+            self.wire[kind] += size * ring
             self.calls[kind] += 1
 
     def __enter__(self):
@@ -172,13 +178,31 @@ _ENTRY_POINTS = {
     "reduce_scatter_single": ("reduce_scatter", "input"),
     "all_to_all_single": ("all_to_all", "input"),
 }  # not send/recv: P2POp and batch_isend_irecv check dist.isend/irecv by identity
+# The functional collectives DTensor calls from inside an op, where no dispatch mode sees
+# them: a sharded gradient's norm is reduced inside the norm op itself. Counted only under
+# ``purpose`` (the norm); elsewhere, such as loss parallelism's per-token statistics, they
+# stay uncounted, as theory.tp_bytes_per_step says.
+_FUNCTIONAL_ENTRY_POINTS = {"all_reduce": ("all_reduce", "self")}
 _LOCK = threading.Lock()
+_PURPOSE = threading.local()
+
+
+@contextlib.contextmanager
+def purpose(name: str):
+    """Count the collectives issued inside as ``<kind> (<name>)``, apart from the step's
+    others: ``with purpose("grad norm"): ...`` makes the clipping's all-reduce its own row."""
+    saved, _PURPOSE.name = getattr(_PURPOSE, "name", None), name
+    try:
+        yield
+    finally:
+        _PURPOSE.name = saved
 
 
 class _OtherThreads:
     """While open, wrap the ``torch.distributed`` entry points to count the calls made where
     the counter's dispatch mode is not active (it is on the autograd threads, which inherit
-    it, and not in Future callbacks)."""
+    it; not in Future callbacks, nor inside an op that DTensor runs, which issues its own
+    collectives while the mode is set aside)."""
 
     def __init__(self, counter: CommCounter):
         self.counter = counter
@@ -186,9 +210,10 @@ class _OtherThreads:
         self.saved = []
 
     def start(self):
+        import torch.distributed._functional_collectives as funcol
         wrapped = {}  # dist.all_reduce is c10d.all_reduce: give both names the same wrapper
-        for module in (dist, c10d):
-            for name, (kind, arg) in _ENTRY_POINTS.items():
+        for module, entry_points in ((dist, _ENTRY_POINTS), (c10d, _ENTRY_POINTS), (funcol, _FUNCTIONAL_ENTRY_POINTS)):
+            for name, (kind, arg) in entry_points.items():
                 fn = getattr(module, name, None)
                 if fn is not None:
                     self.saved.append((module, name, fn))
@@ -204,8 +229,12 @@ class _OtherThreads:
     def _wrap(self, fn, kind, arg):
         sig = inspect.signature(fn)
 
+        functional = fn.__module__.endswith("_functional_collectives")
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            if functional and not getattr(_PURPOSE, "name", None):
+                return fn(*args, **kwargs)
             if getattr(self.inside, "depth", 0) or any(m is self.counter for m in _get_current_dispatch_mode_stack()):
                 return fn(*args, **kwargs)  # the dispatch mode counts it (or an outer wrapper does)
             bound = sig.bind_partial(*args, **kwargs).arguments

@@ -117,7 +117,8 @@ class Metrics:
         if self.ctx.is_main:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+            norm = {"grad_norm": f"{row['grad_norm']:.3f}"} if "grad_norm" in row else {}
+            self.bar.set_postfix(loss=f"{loss:.3f}", **norm, tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         self._start()
 
     def throughput(self) -> tuple[float, float]:
@@ -142,6 +143,8 @@ class Metrics:
             "global_batch_size": self.args.global_batch_size, "seq_len": self.args.seq_len,
             "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"], "val_loss": val_loss,
             "step_time_s": dt, "tokens_per_s": tps,
+            **({"grad_norm": {"first": self.rows[0]["grad_norm"], "final": self.rows[-1]["grad_norm"],
+                              "max": max(r.get("grad_norm", 0.0) for r in self.rows)}} if "grad_norm" in self.rows[0] else {}),
             "mfu": self.flops_per_step / dt / (self.peak * self.ctx.world_size) if self.peak else None,
             "flops_per_token": flops_per_token(self.cfg, self.args.seq_len),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in self.rows),

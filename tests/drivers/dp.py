@@ -32,7 +32,8 @@ from common.model import Transformer, build_model, get_config  # noqa: E402
 from common.parallelize.fsdp import apply_fsdp  # noqa: E402
 
 COMMON = ["--model", "debug", "--seq-len", "32", "--steps", "4", "--eval-batches", "0", "--device", "cpu",
-          "--trace-start", "2", "--trace-steps", "1", "--data", "synthetic"]
+          "--trace-start", "2", "--trace-steps", "1", "--data", "synthetic",
+          "--max-norm", "0.5"]  # small enough that every step clips
 SCRIPTS = {"step1": "step1_single_gpu/train.py", "ddp": "step3_multi_gpu/train_ddp.py",
            "fsdp": "step3_multi_gpu/train_fsdp.py", "tp": "step3_multi_gpu/train_tp.py",
            "pp": "step3_multi_gpu/train_pp.py", "2d": "step3_multi_gpu/train_2d.py",
@@ -101,7 +102,9 @@ def main(out_json: str, plan: str):
                 reference = weights
             elif reference is not None:
                 entry["weights"] = weight_diff(weights, reference)
-            entry["losses"] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            entry["losses"] = [r["loss"] for r in rows]
+            entry["grad_norms"] = [r["grad_norm"] for r in rows]
             entry["summary"] = json.loads((out / "summary.json").read_text())
         results[name] = entry
         dist.barrier()

@@ -28,7 +28,7 @@ from common import cli  # noqa: E402
 from common.data import Batches, load_corpus  # noqa: E402
 from common.model import build_model  # noqa: E402
 from tools.multirun import run_script  # noqa: E402
-from common.training import adamw, lr_schedule  # noqa: E402
+from common.training import adamw, clip_grad_norm, lr_schedule  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 
@@ -41,20 +41,21 @@ def reference(flags: list[str]) -> dict:
     model = build_model(args.model_config, "cpu", seed=args.seed)
     optimizer = adamw(model.parameters(), args)
     scheduler = lr_schedule(optimizer, args)
-    losses = []
+    losses, norms = [], []
     for _ in range(args.steps):
         x, y = next(batches)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        norms.append(clip_grad_norm(model.parameters(), args.max_norm).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "grad_norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 SHARED = {"--model", "--n-layers", "--steps", "--global-batch-size", "--seq-len", "--lr", "--warmup-steps",
-          "--seed", "--data"}
+          "--seed", "--data", "--max-norm"}
 
 
 def shared_flags(flags: list[str]) -> list[str]:
@@ -82,6 +83,8 @@ def main():
             rows = [json.loads(line) for line in (case_out / "metrics.jsonl").read_text().splitlines()]
             res["losses"] = [r["loss"] for r in rows]
             res["ref_losses"] = ref["losses"]
+            res["grad_norms"] = [r["grad_norm"] for r in rows]
+            res["ref_grad_norms"] = ref["grad_norms"]
             res["summary"] = json.loads((case_out / "summary.json").read_text())
             weights = case_out / "weights.pt"
             if weights.exists():
