@@ -94,7 +94,8 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
               "4-byte step counters make the ratio a hair above 1); peak = the trace's highest point, activations "
               "included. AR all-reduce, B broadcast, AG all-gather, RS reduce-scatter; logical bytes count the whole "
               "tensor each collective works on, a ring sends 2(n-1)/n of that for AR and (n-1)/n for AG and RS, n being the group's size (W; S "
-              "and R = W/S under HSDP). "
+              "and R = W/S under HSDP), and B is counted at its root's full size (an upper bound: under ZeRO-1 each "
+              "rank is the root for 1/W of the parameters, so on average it sends (W-1)/W). "
               "ZeRO-3 sends a little less than 12N because FSDP keeps the root (embedding, final norm, output) "
               "gathered from forward to backward; bf16 gathers half the bytes. Bytes are counted on steps 2 and 3, "
               "after the one-time work of the first two (DDP rebuilds its buckets in step 1)."]

@@ -1,7 +1,7 @@
 """Will it fit? Per-GPU memory of a training configuration, without a GPU.
 
-    python -m tools.estimate --model 8b --world-size 4 --strategy fsdp --gpu-mem 80
-    python -m tools.estimate --model 8b --world-size 4 --strategy all --gpu-mem 80
+    python -m tools.estimate --model 8b --world-size 4 --strategy fsdp
+    python -m tools.estimate --model 8b --world-size 4 --strategy all --gpu-mem 79.65 --headroom 4
     python -m tools.estimate --model debug --world-size 4 --strategy fsdp --trace
 
 From the formulas of common/measure/theory.py, and with ``--trace`` also from a real forward,
@@ -14,6 +14,12 @@ traced on the rank the formulas find fullest: that rank's stage replays the sche
 textbook order of micro-batch forwards and backwards (common/parallelize/pp.py's
 ``schedule_order``), with fake tensors standing in for what its neighbours would send.
 PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads values).
+
+"Fits" compares the peak with the *usable* memory: what the card reports (an "80 GB"
+H100 reports 81,559 MiB = 79.65 GiB) less a headroom for what no formula here counts:
+the CUDA context and kernels, NCCL's communicator buffers, and the caching allocator's
+fragmentation and rounding. A peak that lands within the headroom of the total is an
+out-of-memory error in practice.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from common.model import PRESETS, get_config
 from common.measure.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
 
 GiB = 2**30
+H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
+HEADROOM_GIB = 4.0      # CUDA context + kernels (~1), NCCL buffers (~1-2), allocator fragmentation
 TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
 
 
@@ -60,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
+    p.add_argument("--gpu-mem", type=float, default=H100_80GB_GIB,
+                   help=f"memory one GPU reports, in GiB (default: {H100_80GB_GIB:g}, an 80 GB H100)")
+    p.add_argument("--headroom", type=float, default=HEADROOM_GIB,
+                   help=f"GiB kept back for the CUDA context, NCCL's buffers and allocator fragmentation; "
+                        f"fits = peak <= gpu-mem - headroom (default: {HEADROOM_GIB:g})")
     p.add_argument("--trace", action="store_true",
                    help="also trace a real step under FakeTensorMode and a fake process group (rank 0; "
                         "under --strategy pp the fullest stage)")
@@ -78,6 +90,9 @@ def check(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
     if not args.gpu_mem > 0:
         raise UserError(f"--gpu-mem must be a positive number of GiB (got {args.gpu_mem:g}).")
+    if not 0 <= args.headroom < args.gpu_mem:
+        raise UserError(f"--headroom must be at least 0 and less than --gpu-mem {args.gpu_mem:g} GiB "
+                        f"(got {args.headroom:g}).")
     if args.world_size % (args.tp * args.pp):
         raise UserError(f"--world-size {args.world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                         f"use a world size that is a multiple of {args.tp * args.pp}.")
@@ -288,6 +303,15 @@ def _traced(tracer) -> dict:
 UNIT = [GiB, "GiB"]
 
 
+def usable_bytes(gpu_mem: float, headroom: float) -> float:
+    """What a training step may use of a GPU that reports ``gpu_mem`` GiB."""
+    return (gpu_mem - headroom) * GiB
+
+
+def memory_text(gpu_mem: float, headroom: float) -> str:
+    return f"{gpu_mem - headroom:g} GiB usable ({gpu_mem:g} GiB less {headroom:g} GiB headroom)"
+
+
 def gib(n: float) -> str:
     return f"{n / UNIT[0]:,.2f}"
 
@@ -296,7 +320,7 @@ def _unit(peak: float):
     UNIT[:] = [GiB, "GiB"] if peak >= GiB / 4 else [2**20, "MiB"]
 
 
-def print_one(p: Plan, gpu_mem: float, traced: dict | None):
+def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None):
     est = worst_rank(p)
     _unit(est["peak"])
     print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
@@ -314,8 +338,9 @@ def print_one(p: Plan, gpu_mem: float, traced: dict | None):
             line += f"  {gib(t) if t is not None else '':>10}"
             line += f"  {t / f:>13.3f}" if (t is not None and f) else ""
         print(line)
-    fits = est["peak"] <= gpu_mem * GiB
-    print(f"  {'fits' if fits else 'does NOT fit'} in {gpu_mem:g} GiB per GPU (formula peak {fmt_bytes(est['peak'])}"
+    fits = est["peak"] <= usable_bytes(gpu_mem, headroom)
+    print(f"  {'fits' if fits else 'does NOT fit'} in {memory_text(gpu_mem, headroom)} per GPU "
+          f"(formula peak {fmt_bytes(est['peak'])}"
           + (f", traced peak {fmt_bytes(traced['peak'])}" if traced else "") + ")")
     sent = sum(v for k, v in est["comm"].items() if k != "recv")
     if est["comm"]:
@@ -323,12 +348,12 @@ def print_one(p: Plan, gpu_mem: float, traced: dict | None):
               + f" (total {fmt_bytes(sent)})")
 
 
-def print_table(ps: list[Plan], gpu_mem: float, traced: dict):
+def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
     p0, pn = ps[0], ps[-1]
     _unit(worst_rank(p0)["peak"])
     print(f"model: {p0.cfg.n_layers} layers, dim {p0.cfg.dim}, {_n_params(p0) / 1e9:.3f}B parameters; global batch "
           f"{pn.batch} x {p0.seq_len} tokens on {pn.world} GPUs ({p0.batch} on one), {p0.dtype}, AC {p0.ac}; "
-          f"{UNIT[1]} per GPU on the fullest rank; fits = peak <= {gpu_mem:g} GiB")
+          f"{UNIT[1]} per GPU on the fullest rank; fits = peak <= {memory_text(gpu_mem, headroom)}")
     head = "| strategy | parameters | gradients | AdamW state | activations | transient | peak | fits | sent/step/rank |"
     if traced:
         head += " traced peak |"
@@ -339,7 +364,7 @@ def print_table(ps: list[Plan], gpu_mem: float, traced: dict):
         sent = sum(v for k, v in e["comm"].items() if k != "recv")
         line = (f"| {label(p)} | {gib(e['parameters'])} | {gib(e['gradients'])} | {gib(e['optimizer state'])} | "
                 f"{gib(e['activations'])} | {gib(sum(e['transient'].values()))} | {gib(e['peak'])} | "
-                f"{'yes' if e['peak'] <= gpu_mem * GiB else 'no'} | {fmt_bytes(sent)} |")
+                f"{'yes' if e['peak'] <= usable_bytes(gpu_mem, headroom) else 'no'} | {fmt_bytes(sent)} |")
         if traced:
             t = traced.get(id(p))
             line += f" {gib(t['peak']) if isinstance(t, dict) else t} |"
@@ -373,13 +398,13 @@ def main(argv=None):
             t0 = time.perf_counter()
             traced = trace(ps[0])
             print(f"(traced rank {traced['rank']} under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
-        print_one(ps[0], args.gpu_mem, traced)
+        print_one(ps[0], args.gpu_mem, args.headroom, traced)
         return
     traced = {}
     if args.trace:
         for p in ps:
             traced[id(p)] = trace(p) if traceable(p) is None else "not traced"
-    print_table(ps, args.gpu_mem, traced)
+    print_table(ps, args.gpu_mem, args.headroom, traced)
 
 
 if __name__ == "__main__":

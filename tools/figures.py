@@ -317,10 +317,9 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
 # code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores.
 ESTIMATES = {
-    "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80"]], False),
-    "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--gpu-mem", "80", "--ac", "full"]],
-                  False),
-    "est-1b": ([["--model", "1b", "--strategy", "single", "--gpu-mem", "80"],
+    "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all"]], False),
+    "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--ac", "full"]], False),
+    "est-1b": ([["--model", "1b", "--strategy", "single"],
                 ["--model", "1b", "--strategy", "single", "--gpu-mem", "24", "--ac", "full"]], True),
     "est-trace-debug": ([["--model", "debug", "--world-size", "2", "--strategy", "fsdp", "--seq-len", "64",
                           "--batch", "4", "--trace"]], True),

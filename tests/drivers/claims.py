@@ -1,0 +1,50 @@
+"""One 2-rank gloo launch for the README's distributed claims (tests/test_claims.py).
+
+Rank 0 writes OUT as JSON: what ReduceOp.AVG returned, the TORCH_NCCL_ASYNC_ERROR_HANDLING
+torchrun gave the worker, and the dtypes RoPE's tables have inside an FSDP2 unit under
+MixedPrecisionPolicy(param_dtype=bf16).
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from common.model import Transformer, get_config  # noqa: E402
+from common.parallelize.fsdp import apply_fsdp  # noqa: E402
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, w = dist.get_rank(), dist.get_world_size()
+    # 5 elements on 2 ranks: a divisor mixed up with numel() would show
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * (rank + 1) + 10 * rank
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    want = sum(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * (r + 1) + 10 * r for r in range(w)) / w
+
+    cfg = get_config("debug")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_fsdp(model, init_device_mesh("cpu", (w,), mesh_dim_names=("dp",)), param_dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    seen = {}
+    # attention is inside block 0's unit: it sees the (cos, sin) the block's forward received
+    model.layers["0"].attention.register_forward_pre_hook(
+        lambda m, args: seen.update(cos_in_block=str(args[1].dtype), x_in_block=str(args[0].dtype)))
+    model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    seen["root_buffer"] = str(model.rope_cos.dtype)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "avg": t.tolist(), "mean": want.tolist(), "world": w,
+            "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), **seen}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
