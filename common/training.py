@@ -143,7 +143,7 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     params = [p for p in params if p.grad is not None]
     groups: dict = {}
     for p in params:  # one group per kind of gradient: plain, or DTensor on a mesh with placements
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) and not local else None
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p)
     squares = torch.zeros((), device=params[0].device if params else "cpu")
     with purpose("grad norm"):

@@ -131,8 +131,9 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     import json
     from pathlib import Path
 
+    from common.measure.comm import sent_per_step
     from common.measure.memory import fmt_bytes
-    from common.model import count_params
+    from common.model import ModelConfig, count_params
 
     def span(values, fmt=fmt_bytes):
         lo, hi = min(values), max(values)
