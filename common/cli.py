@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from common import checkpoint
+from common import ROOT, checkpoint
 from common.errors import UserError
 from common.model import PRESETS, get_config
 
@@ -86,7 +86,9 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--trace-start {args.trace_start} is past the last step ({args.steps - 1}); "
                         f"lower it, train longer, or pass --no-trace-memory.")
     checkpoint.check_flags(args)
-    args.out = Path(args.out or Path("runs") / args.script)
+    # The default is anchored at the repository, not the working folder: the same
+    # runs/<script>/ wherever the script is started from.
+    args.out = Path(args.out) if args.out else ROOT / "runs" / args.script
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
     return args
@@ -133,6 +135,10 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> a
                     args.compile and compile_unsupported(device)):
             if why:
                 raise UserError(why)
+        if args.amp == "fp16" and (args.ckpt_every or args.resume):
+            # GradScaler's loss scale is not saved: a resumed run would restart it and differ.
+            raise UserError("--amp fp16 cannot be checkpointed yet (the loss scale is not saved); use --amp bf16 "
+                            "with --ckpt-every/--resume, or drop them.")
         args.amp_dtype = AMP_DTYPES[args.amp]
         args.compute_dtype = "fp32" if args.amp == "off" else args.amp
     if hasattr(args, "ac"):

@@ -28,7 +28,7 @@ from common.model import build_model
 from common.parallelize import comm_hooks
 from common.parallelize.ddp import ddp_no_buffer_sync
 from common.run import Run
-from common.training import adamw, clip_grad_norm, adamw_options, evaluate, global_loss, lr_schedule, micro_batch_size
+from common.training import adamw, adamw_options, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard

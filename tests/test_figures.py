@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tools import figures
+from tools.docs import block
 from tools.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
 from test_readme import parse_only
 
@@ -160,18 +161,16 @@ def test_every_figure_says_which_machine_made_it():
     files = {p.name for p in (ROOT / "figs").iterdir() if p.name != "made_on.json"}
     assert files == set(made), (f"figs/ files without a record: {sorted(files - set(made))}; records of missing "
                                 f"files: {sorted(set(made) - files)} (run python -m tools.figures)")
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- BEGIN figs-made-on -->", 1)[1].split("<!-- END figs-made-on -->", 1)[0]
-    assert block.strip() == provenance_table(made), "README's figs-made-on table is stale"
+    assert block("figs-made-on")[1].strip() == provenance_table(made), "README's figs-made-on table is stale"
 
 
 def test_estimator_blocks_follow_their_commands():
     """Each README block the figures command fills with the estimator's output comes right
     after a bash block holding exactly the commands that make it."""
     import shlex
-    readme = (ROOT / "README.md").read_text()
     for marker, (commands, _) in figures.ESTIMATES.items():
-        head = readme.split(f"<!-- BEGIN {marker} -->", 1)[0]
+        page = block(marker)[0].read_text()
+        head = page.split(f"<!-- BEGIN {marker} -->", 1)[0]
         shown = head.rstrip().removesuffix("```").rsplit("```bash\n", 1)[1]
         assert [shlex.split(line)[3:] for line in shown.strip().splitlines()] == commands, marker
         assert all(line.startswith("python -m tools.estimate ") for line in shown.strip().splitlines())
@@ -181,19 +180,16 @@ def test_estimator_blocks_are_current():
     """The estimator is deterministic (but for its timing line): the README's copies of its
     answers must be what it answers now."""
     import re
-    readme = (ROOT / "README.md").read_text()
     untimed = lambda t: re.sub(r"in [\d.]+ s\)", "in ... s)", t.strip())  # noqa: E731
     for marker, text in figures.estimates().items():
-        block = readme.split(f"<!-- BEGIN {marker} -->", 1)[1].split(f"<!-- END {marker} -->", 1)[0]
-        assert untimed(block) == untimed(text), f"README's {marker} block is stale: run python -m tools.figures"
+        assert untimed(block(marker)[1]) == untimed(text), f"the {marker} block is stale: run python -m tools.figures"
 
 
 def test_gpu_report_block_is_current(tmp_path, monkeypatch):
     """The README's GPU section is what tools/gpu_check.py left in figs/ (or says there is
     none), and a report in figs/ reaches the README through the figures command."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- BEGIN gpu-check -->", 1)[1].split("<!-- END gpu-check -->", 1)[0]
-    assert block.strip() == figures.gpu_check_report()["gpu-check"].strip(), "stale: run python -m tools.figures"
+    assert block("gpu-check")[1].strip() == figures.gpu_check_report()["gpu-check"].strip(), \
+        "stale: run python -m tools.figures"
     figs = tmp_path / "figs"
     figs.mkdir()
     (figs / "gpu_check_h100.md").write_text("Made by `python -m tools.gpu_check` on 1 x NVIDIA H100\n")

@@ -1,6 +1,7 @@
 """The README's commands keep working: the docs cannot rot.
 
-Every ``python ...`` / ``torchrun ...`` line in README.md's ```bash blocks is checked
+Every ``python ...`` / ``torchrun ...`` line in the ```bash blocks of every page (README.md and
+the chapters' pages, tools/docs.py) is checked
 cheaply: the script exists and argparse accepts its flags (the script's own parser, run
 in this process and stopped right after parsing, so no training and no new process per
 command). A few representative commands then run end to end, with tiny sizes appended
@@ -20,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tools.docs import all_text
 
 from common import ROOT  # noqa: E402
 TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4",
@@ -43,7 +46,7 @@ RUN = [
 
 
 def readme_commands() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
+    text = all_text()
     cmds = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = block.replace("\\\n", " ")  # continued lines
@@ -201,7 +204,7 @@ def test_readme_python_snippets_print_what_they_claim():
     comment lines that end it are the output it claims, and running it must print exactly those."""
     import contextlib
     import io
-    text = (ROOT / "README.md").read_text()
+    text = all_text()
     snippets = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if re.search(r"^(from|import) ", b, re.M)]
     assert snippets, "README.md lost its runnable snippet(s)?"
     for code in snippets:
@@ -214,3 +217,35 @@ def test_readme_python_snippets_print_what_they_claim():
         with contextlib.redirect_stdout(out):
             exec(compile(code, "README snippet", "exec"), {"__name__": "readme_snippet"})
         assert out.getvalue().splitlines() == claimed, code[:200]
+
+
+def test_every_link_of_every_page_leads_somewhere():
+    """The pages link to each other, to the code and to figs/: every relative link names a
+    file that exists, and every #anchor a heading of the page it points into."""
+    from tools.docs import doc_paths
+
+    def anchors(page: Path) -> set[str]:
+        heads = re.findall(r"^#{1,6} (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    bad, checked = [], 0
+    for page in doc_paths():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            checked += 1
+            if re.match(r"^(https?|mailto):", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert checked > 50 and not bad, "\n".join(bad) or f"only {checked} links found: the pattern broke?"
+
+
+def test_every_figure_is_shown_on_some_page():
+    from tools.docs import all_text
+    text = all_text()
+    unused = [p.name for p in sorted((ROOT / "figs").glob("*.png")) if p.name not in text]
+    assert not unused, f"figures no page shows: {unused}"

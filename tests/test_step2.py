@@ -452,3 +452,25 @@ def test_selective_ac_recomputes_no_matmul_and_full_ac_a_forward():
     assert flops["none"] == 6 * tokens * (cfg.n_layers * block + d * cfg.vocab_size)  # 6N per token
     assert flops["selective"] == flops["none"]
     assert flops["full"] - flops["none"] == 2 * tokens * cfg.n_layers * (block - d * f)
+
+
+def test_step2_scripts_checkpoint_and_resume_exactly(monkeypatch, tmp_path):
+    """Run saves and resumes step 2's runs as step 1's: a bf16 + AC + accumulation run whose
+    last checkpoint is lost redoes steps 2 and 3 from step 1's, with the same losses."""
+    import shutil
+    flags = ["--grad-accum", "2", "--ckpt-every", "2", "--no-trace-memory", "--eval-batches", "0"]
+    rows, _ = run_main(monkeypatch, "train_accum", tmp_path, *flags, steps=4)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")  # as if the run had died after step 2
+    again, _ = run_main(monkeypatch, "train_accum", tmp_path, *flags, "--resume", steps=4)
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    assert [r["loss"] for r in again] == [r["loss"] for r in rows]  # steps 0-1 kept, 2-3 redone bit for bit
+    assert [r["grad_norm"] for r in again[2:]] == [r["grad_norm"] for r in rows[2:]]
+
+
+def test_fp16_with_checkpoints_is_refused(monkeypatch, tmp_path, capsys):
+    """The loss scale is not in the checkpoint: an fp16 run could not resume exactly."""
+    monkeypatch.setattr(training, "amp_unsupported", lambda device, amp: None)  # fp16 on this CPU
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, "train_amp", tmp_path, "--amp", "fp16", "--ckpt-every", "2")
+    assert e.value.code == 2
+    assert "--amp fp16 cannot be checkpointed" in capsys.readouterr().err

@@ -374,18 +374,20 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
               ("estimates", estimates), ("gpu", gpu_check_report)]
 
 
-def update_readme(tables: dict[str, str], readme: Path = ROOT / "README.md"):
-    """Replace the text between <!-- BEGIN name --> and <!-- END name --> markers."""
-    text = readme.read_text()
+def update_readme(tables: dict[str, str]):
+    """Replace the text between <!-- BEGIN name --> and <!-- END name --> markers, in
+    whichever page of the walkthrough (tools/docs.py) holds them."""
+    from tools.docs import block
     for name, body in tables.items():
-        begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-        if begin not in text:
-            print(f"README.md has no {begin} marker; table {name} not written", flush=True)
+        found = block(name)
+        if found is None:
+            print(f"no page has a <!-- BEGIN {name} --> marker; table {name} not written", flush=True)
             continue
-        head, rest = text.split(begin, 1)
+        path, _ = found
+        begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+        head, rest = path.read_text().split(begin, 1)
         _, tail = rest.split(end, 1)
-        text = f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}"
-    readme.write_text(text)
+        path.write_text(f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}")
 
 
 def this_device(device: str) -> str:

@@ -8,6 +8,7 @@ Outputs in ``--out`` (rank 0 writes them; every rank's numbers are in them):
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 
@@ -176,4 +177,4 @@ class Metrics:
                 lines.append((f"{who}CUDA allocator peak", fmt_bytes(m["allocator_peak_bytes"])))
         width = max(len(k) for k, _ in lines)
         print("\n".join(f"  {k:<{width}}  {v}" for k, v in lines), flush=True)
-        print(f"  outputs in {self.args.out}/", flush=True)
+        print(f"  outputs in {os.path.relpath(self.args.out)}/", flush=True)  # from where you are
