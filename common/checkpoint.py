@@ -248,7 +248,9 @@ class Checkpointer:
         if not math.isfinite(loss) and self.args.on_nan == "stop":
             raise UserError(f"the loss is {loss} at step {step} (rank {self.ctx.rank}); lower --lr, or pass "
                             f"--on-nan skip to skip such steps.")
-        if grad_norm is not None and not math.isfinite(grad_norm) and self.args.on_nan == "stop":
+        # (fp16's GradScaler skips an overflowing step by itself and lowers its scale: not an error)
+        if (grad_norm is not None and not math.isfinite(grad_norm) and self.args.on_nan == "stop"
+                and getattr(self.args, "amp", None) != "fp16"):
             raise UserError(f"the gradient norm is {grad_norm} at step {step} (rank {self.ctx.rank}); lower --lr, "
                             f"or pass --on-nan skip to skip such steps.")
         last = step == self.args.steps - 1

@@ -169,11 +169,18 @@ def test_bytes_communicated_per_step_are_the_formula(job):
             # The bytes of the traced step, step 2: after DDP's one-time bucket rebuild in
             # step 1 (a broadcast of the new order), so exactly the formula's.
             got = {k: v["bytes"] for k, v in got.items()}
-            assert got == want, (name, rank)
+            # The clipping's all-reduce: PyTorch reduces one fp32 norm per sharded tensor; with
+            # uneven shards (W = 3, 4) it reduces a few more. Tiny either way, and FSDP's only.
+            mine = dict(want)  # each rank compares with its own copy
+            norm, want_norm = got.pop("all_reduce (grad norm)", 0), mine.pop("all_reduce (grad norm)", 0)
+            assert want_norm <= norm <= 2 * want_norm, (name, norm, want_norm)  # none where nothing is sharded
+            assert (norm > 0) == (strategy.startswith(("fsdp", "hsdp")) and name != "hsdp_2x1"), (name, norm)
+            assert got == mine, (name, rank)
         calls = run["summary"]["comm"][0]
         # what a ring sends: 2(n-1)/n of an all-reduce, (n-1)/n of the others, n = the group's size
         groups = {"all_reduce": w // 2, "all_gather": 2, "reduce_scatter": 2} if name == "hsdp" else {}
         for kind, c in calls.items():
+            kind = kind.split(" (")[0]  # "all_reduce (grad norm)" is an all-reduce
             g = groups.get(kind, w)
             factor = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
             assert c["wire_bytes"] == pytest.approx(c["bytes"] * factor.get(kind, 1.0)), (name, kind)
@@ -200,7 +207,9 @@ def test_bf16_compute_fp32_shards_fp32_reduction_with_checkpointing(job4):
         want = model_state("fsdp_zero3", CFG, w, rank)  # fp32 shards, fp32 gradients, fp32 AdamW
         assert {k: _state(run, rank)[k] for k in want} == want
     got = {k: v["bytes"] for k, v in run["summary"]["comm"][0].items()}
-    assert got == comm_bytes("fsdp_zero3", CFG, w, param_bytes=2)  # bf16 all-gathers, fp32 reduce-scatter
+    want = comm_bytes("fsdp_zero3", CFG, w, param_bytes=2)  # bf16 all-gathers, fp32 reduce-scatter
+    assert 0 < got.pop("all_reduce (grad norm)") <= 2 * want.pop("all_reduce (grad norm)")
+    assert got == want
     assert run["summary"]["dtype"] == "bf16"
     # checkpointing keeps only block inputs: far fewer activation bytes than without
     assert (run["summary"]["memory"][0]["peak_by_category"]["activations"]

@@ -87,7 +87,7 @@ CHAPTER3A: list[Run] = [
 # with like. 8 layers: the interleaved schedule needs two stages per rank. Their own job:
 # DTensor meshes of one job can meet a stale cached group (tools/multirun.py).
 _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
-       "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "2"]
+       "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "1"]  # one step: a readable figure
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
 _MP4 = dict(nproc=4, job="4_ranks_model_parallel")
 _CLIP = ["--model", "small", "--n-layers", "4", "--global-batch-size", "8", "--seq-len", "64", "--steps", "8",

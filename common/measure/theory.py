@@ -202,6 +202,7 @@ def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_b
     out = {"all_gather": accum * param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
            "reduce_scatter": 4 * full,
            # clipping: PyTorch reduces one fp32 norm per sharded tensor, in one all-reduce
+           # (a few more where shards are uneven; this is the even case)
            "all_reduce (grad norm)": 4 * len(shapes)}
     if strategy.startswith("hsdp") and world > s:
         out["all_reduce"] = 4 * full // s  # each rank's reduced shard, across the replicas
