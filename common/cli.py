@@ -20,7 +20,9 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def parser(description: str | None) -> argparse.ArgumentParser:
-    p = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: "--step 3" is a mistake to name, not a prefix of --steps to accept.
+    p = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
     g = p.add_argument_group("shared by every script")
     g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
     g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")

@@ -17,6 +17,7 @@ What it drives, each living in its own module:
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from common.checkpoint import Checkpointer, save_full_weights, skip_nonfinite_step
 from common.distributed import launch_hint
+from common.errors import UserError
 from common.measure import theory
 from common.measure.comm import CommCounter, print_comm
 from common.measure.memory import MemoryTracer
@@ -124,4 +126,9 @@ class Run:
             extra |= {"strategy": self.strategy, "predicted": predicted}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
+        if not math.isfinite(self.metrics.last_loss):
+            # --on-nan skip keeps a run going past bad steps; one that ends non-finite has
+            # nothing usable to show for it, and must not look like a success.
+            raise UserError(f"the run ended with a loss of {self.metrics.last_loss} (step {a.steps - 1}): the model is "
+                            f"not usable; lower --lr, or look for the first non-finite step in {a.out}/metrics.jsonl.")
         return summary

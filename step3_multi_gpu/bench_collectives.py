@@ -206,7 +206,7 @@ def plot(rows: list[dict], n: int, model: dict, path: str, title: str):
 
 @main_guard
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     p.add_argument("--out", default="runs/bench_collectives", help="output folder (default: %(default)s)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of: " + ", ".join(OPS))

@@ -224,7 +224,7 @@ def plot(timings: list[dict], path, title: str):
 
 @main_guard
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     p.add_argument("--out", default="runs/ring_allreduce", help="output folder (default: %(default)s)")
     p.add_argument("--min-size", type=int, default=4096, help="smallest timed message in bytes (default: 4 KiB)")

@@ -89,3 +89,55 @@ def test_bad_input_is_one_clear_sentence_and_a_nonzero_exit():
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), f"{k}: {err}"
         assert expected in lines[0], f"{k}: {lines[0]}"
+
+
+def _main(monkeypatch, argv):
+    """step 1's main() in this process: (exit code, the rows of metrics.jsonl)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("step1_train_in_process", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *argv])
+    try:
+        module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, module
+
+
+QUIET = ["--model", "debug", "--seq-len", "32", "--global-batch-size", "4", "--device", "cpu", "--no-trace-memory",
+         "--eval-batches", "0"]
+
+
+def test_flag_abbreviations_are_refused(monkeypatch, capsys):
+    """argparse would take "--step 3" for --steps 3; every parser here refuses prefixes."""
+    code, _ = _main(monkeypatch, ["--step", "3", *QUIET])
+    assert code == 2 and "unrecognized arguments: --step 3" in capsys.readouterr().err
+
+
+def test_a_torn_metrics_line_does_not_block_resume(monkeypatch, tmp_path, capsys):
+    """A kill in the middle of writing metrics.jsonl leaves a torn last line: --resume drops
+    it, says so, and keeps every complete line."""
+    out = ["--out", str(tmp_path), "--steps", "4", "--ckpt-every", "2"]
+    assert _main(monkeypatch, [*QUIET, *out])[0] == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:17])  # step 2's line, torn
+    import shutil
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")  # resume from step 1's checkpoint
+    assert _main(monkeypatch, [*QUIET, *out, "--resume"])[0] == 0
+    assert "dropped a torn last line" in capsys.readouterr().out
+    again = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    assert [json.dumps(r) for r in again[:2]] == lines[:2]
+
+
+def test_a_run_that_ends_non_finite_exits_non_zero(monkeypatch, tmp_path, capsys):
+    """--on-nan skip carries a run past bad steps; if its loss is still not finite at the end,
+    the run has failed, and says so."""
+    import torch.nn.functional as F
+    real = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+    code, _ = _main(monkeypatch, [*QUIET, "--steps", "3", "--on-nan", "skip", "--out", str(tmp_path)])
+    assert code == 2
+    assert "the run ended with a loss of nan (step 2)" in capsys.readouterr().err

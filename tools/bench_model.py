@@ -233,7 +233,7 @@ def step_ms(model: nn.Module, tokens: torch.Tensor, compiled: bool, steps: int =
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="125m", help="model preset whose width is counted and timed (default 125m)")
     ap.add_argument("--batch", type=int, default=12, help="sequences per timed step (CUDA only)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence in the timed step (CUDA only)")

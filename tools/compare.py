@@ -241,7 +241,7 @@ def compare(folders, labels=None, out=None, title: str | None = None) -> str:
 
 @main_guard
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tools.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders (the --out of each run)")
     p.add_argument("--labels", default=None, help="comma-separated names, one per run (default: folder names)")

@@ -51,7 +51,7 @@ def traceable(p: Plan) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.estimate", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tools.estimate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")

@@ -495,7 +495,7 @@ def provenance_table(made: dict[str, dict]) -> str:
 
 def main(argv=None):
     from tqdm import tqdm
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="regenerate only the figures whose names start with this")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)

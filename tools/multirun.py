@@ -73,7 +73,7 @@ def main():
     each, which the figures command reads to move its progress bar."""
     import argparse
     import json
-    p = argparse.ArgumentParser(description=main.__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=main.__doc__)
     p.add_argument("--runs", required=True, help='[{"name": ..., "script": ..., "argv": [...]}, ...]')
     args = p.parse_args()
     main_rank = os.environ.get("RANK", "0") == "0"

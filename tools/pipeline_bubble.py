@@ -26,7 +26,7 @@ SCRIPT = "step3_multi_gpu/train_pp.py"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedules", default="gpipe,1f1b")
     p.add_argument("--microbatches", default="1,2,4,8")
     p.add_argument("--out", default="runs/pp_bubble")

@@ -85,8 +85,7 @@ class Metrics:
             path = self.args.out / "metrics.jsonl"
             kept = []
             if start > 0 and path.exists():
-                kept = [line for line in path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] < start]
+                kept = [line for line in self._read_lines(path) if json.loads(line)["step"] < start]
                 self.rows = [json.loads(line) for line in kept]
             self._jsonl = open(path, "w")
             self._jsonl.writelines(line + "\n" for line in kept)
@@ -94,6 +93,23 @@ class Metrics:
                         unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()
         return self.bar
+
+    def _read_lines(self, path) -> list[str]:
+        """metrics.jsonl's complete lines. A run killed while writing leaves its last line
+        torn: that line is dropped (its step is redone anyway), and said so; a damaged line
+        before it is a damaged file, named in one sentence."""
+        from common.errors import UserError
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        for i, line in enumerate(lines):
+            try:
+                json.loads(line)
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise UserError(f"{path} line {i + 1} is not JSON (a damaged file); move the file aside "
+                                    f"to resume without the earlier steps' metrics.") from None
+                self.ctx.print(f"{path}: dropped a torn last line (a run killed while writing it)")
+                return lines[:-1]
+        return lines
 
     def _start(self):
         if self.ctx.device.type == "cuda":
