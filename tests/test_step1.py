@@ -92,7 +92,7 @@ def test_bad_input_is_one_clear_sentence_and_a_nonzero_exit():
 
 
 def _main(monkeypatch, argv):
-    """step 1's main() in this process: (exit code, the rows of metrics.jsonl)."""
+    """step 1's main() in this process: (exit code, the loaded script module)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("step1_train_in_process", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -141,3 +141,9 @@ def test_a_run_that_ends_non_finite_exits_non_zero(monkeypatch, tmp_path, capsys
     code, _ = _main(monkeypatch, [*QUIET, "--steps", "3", "--on-nan", "skip", "--out", str(tmp_path)])
     assert code == 2
     assert "the run ended with a loss of nan (step 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_max_norm_is_one_sentence(monkeypatch, capsys, value):
+    code, _ = _main(monkeypatch, [*QUIET, "--max-norm", value])
+    assert code == 2 and "--max-norm must be 0 (no clipping) or a positive number" in capsys.readouterr().err
