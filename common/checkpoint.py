@@ -155,7 +155,7 @@ class Checkpointer:
                 "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
-                "grad_accum_steps": getattr(self.args, "grad_accum_steps", 1),
+                "grad_accum": getattr(self.args, "grad_accum", 1),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
 
@@ -234,10 +234,10 @@ class Checkpointer:
             if meta[key] != getattr(a, key):
                 raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
                                 f"{getattr(a, key)}; use the same value to continue exactly.")
-        # The data position counts loader batches of global_batch_size / grad_accum_steps.
-        accum = getattr(a, "grad_accum_steps", 1)
-        if meta.get("grad_accum_steps", 1) != accum:
-            raise UserError(f"checkpoint {path} was trained with --grad-accum-steps {meta.get('grad_accum_steps', 1)}, "
+        # The data position counts loader batches of global_batch_size / grad_accum (step 3).
+        accum, saved = getattr(a, "grad_accum", 1), meta.get("grad_accum", meta.get("grad_accum_steps", 1))
+        if saved != accum:
+            raise UserError(f"checkpoint {path} was trained with --grad-accum {saved}, "
                             f"this run asks for {accum}; use the same value to continue exactly.")
         # No check on the parallel layout: every part is saved by parameter name (pipeline
         # stages keep the full model's layer names), so any split loads into any other.

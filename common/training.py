@@ -58,7 +58,7 @@ def evaluate(model, tokens: torch.Tensor, args, device) -> float | None:
 def micro_batch_size(global_batch_size: int, dp_size: int, accum_steps: int = 1) -> int:
     """Sequences per rank per forward pass; the global batch must split evenly."""
     if accum_steps <= 0:
-        raise UserError(f"--grad-accum-steps must be positive (got {accum_steps}).")
+        raise UserError(f"--grad-accum must be positive (got {accum_steps}).")
     if global_batch_size % (dp_size * accum_steps):
         into = (f"among {dp_size} data-parallel ranks" if accum_steps == 1 else
                 f"into {accum_steps} micro-batches on each of {dp_size} data-parallel ranks")

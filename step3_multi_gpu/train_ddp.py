@@ -34,7 +34,8 @@ from common.training import adamw, adamw_options, clip_grad_norm, evaluate, glob
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
-    p.add_argument("--grad-accum-steps", type=int, default=1,
+    # step 2's name for it; --grad-accum-steps, the old name, still works
+    p.add_argument("--grad-accum", "--grad-accum-steps", dest="grad_accum", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are all-reduced after the last only (default: 1)")
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)
@@ -42,12 +43,12 @@ def main(argv=None):
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
-        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
+        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
         corpus = load_corpus(args.data, seed=args.seed)
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.
-        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
@@ -70,22 +71,22 @@ def main(argv=None):
         # and the memory tracer is shown where it is.
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy=strategy,
                   title="Step 3a, " + ("DDP + ZeRO-1" if args.zero1 else "DDP"),
-                  parallel={"dp": mesh.size()}, predict={"accum": args.grad_accum_steps},
+                  parallel={"dp": mesh.size()}, predict={"accum": args.grad_accum},
                   ckpt_optimizer=optimizer.optim if args.zero1 else None,
                   sources=[lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else [])
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
-                for micro in range(args.grad_accum_steps):
+                for micro in range(args.grad_accum):
                     x, y = next(batches)
                     x, y = x.to(ctx.device), y.to(ctx.device)
                     # All-reduce once per optimizer step: the other micro-batches just add
                     # into p.grad (no_sync must cover the forward as well as the backward).
-                    last = micro == args.grad_accum_steps - 1
+                    last = micro == args.grad_accum - 1
                     with contextlib.nullcontext() if last else model.no_sync():
                         logits = model(x)  # (micro-batch, seq, vocab)
-                        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum_steps
+                        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
                         loss.backward()  # on the last micro-batch: all-reduce, bucket by bucket
                     step_loss += loss.detach()
                 # The global norm (the all-reduced gradients are the same on every rank).

@@ -34,7 +34,8 @@ from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_sch
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
-    p.add_argument("--grad-accum-steps", type=int, default=1,
+    # step 2's name for it; --grad-accum-steps, the old name, still works
+    p.add_argument("--grad-accum", "--grad-accum-steps", dest="grad_accum", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are reduce-scattered after the last only (default: 1)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered parameters after its forward and gather them again in "
@@ -52,12 +53,12 @@ def main(argv=None):
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
-        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum_steps)  # splits evenly?
+        micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
         corpus = load_corpus(args.data, seed=args.seed)
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.
-        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum_steps,
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         # Build on the meta device (shapes, no memory), shard, and only then allocate: each
@@ -81,20 +82,20 @@ def main(argv=None):
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, title=f"Step 3a, {what}",
                   strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
                   parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), dtype=dtype,
-                  predict=dict(shard=args.hsdp and args.hsdp[1], accum=args.grad_accum_steps, dtype=dtype,
+                  predict=dict(shard=args.hsdp and args.hsdp[1], accum=args.grad_accum, dtype=dtype,
                                ac="full" if args.activation_checkpointing else "none"))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
-                for micro in range(args.grad_accum_steps):
+                for micro in range(args.grad_accum):
                     x, y = next(batches)
                     x, y = x.to(ctx.device), y.to(ctx.device)
                     # Reduce-scatter once per optimizer step. The price: until then every
                     # block keeps its full-size gradient, the 4N bytes sharding saved.
-                    model.set_requires_gradient_sync(micro == args.grad_accum_steps - 1)
+                    model.set_requires_gradient_sync(micro == args.grad_accum - 1)
                     logits = model(x)  # (micro-batch, seq, vocab); fp32 even under bf16 compute
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum_steps
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
                     loss.backward()  # per block: gather its parameters (ZeRO-3), reduce-scatter its gradients
                     step_loss += loss.detach()
                 # The global norm (each rank holds shards: the norm's squares are summed over the ranks).

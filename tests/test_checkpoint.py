@@ -178,7 +178,9 @@ ELASTIC = {
 }
 ERRORS = {
     "nan_stop": "error: the loss is nan at step",
-    "bad_accum": "was trained with --grad-accum-steps 1, this run asks for 2; use the same value",
+    # skip goes on past every bad step, but a run still non-finite at its end has failed
+    "nan_skip": "error: the run ended with a loss of nan (step 2): the model is not usable",
+    "bad_accum": "was trained with --grad-accum 1, this run asks for 2; use the same value",
     "bad_preset": "holds a 'debug' model with a different shape than --model debug",
     "bad_truncated": "step_00000003 cannot be read",
     "bad_meta": "meta.json cannot be read (UnicodeDecodeError)",
@@ -326,7 +328,7 @@ MISUSE = [  # (script, flags, the sentence)
     ("ddp", ["--lr", "-1"], "--lr must be a positive number (got -1.0)."),
     ("ddp", ["--lr", "inf"], "--lr must be a positive number (got inf)."),
     ("ddp", ["--trace-memory", "--trace-steps", "0"], "--trace-steps must be positive (got 0)."),
-    ("ddp", ["--grad-accum-steps", "0"], "--grad-accum-steps must be positive (got 0)."),
+    ("ddp", ["--grad-accum", "0"], "--grad-accum must be positive (got 0)."),
     ("ddp", ["--ckpt-keep", "0"], "--ckpt-keep must be at least 1 (got 0)."),
     ("ddp", ["--ckpt-every", "-2"], "--ckpt-every cannot be negative (got -2)"),
     ("ddp", ["--pg-timeout", "0"], "--pg-timeout must be positive seconds (got 0.0)."),
@@ -417,10 +419,10 @@ def test_any_parallel_layout_may_resume(tmp_path):
     """DCP reshards by parameter name: another number of pipeline stages, or ranks, is allowed
     (the real 2 -> 4 stage run is in tests/test_checkpoint.py); what changes the numbers is not."""
     args = SimpleNamespace(out=tmp_path, model="debug", model_config=get_config("debug"), global_batch_size=4,
-                           seq_len=32, seed=0, data="synthetic", grad_accum_steps=1, fail_at_step=None)
+                           seq_len=32, seed=0, data="synthetic", grad_accum=1, fail_at_step=None)
     ctx = SimpleNamespace(world_size=2, rank=0)
     meta = {"model": "debug", "model_config": get_config("debug").as_dict(), "global_batch_size": 4,
-            "seq_len": 32, "seed": 0, "data": "synthetic", "grad_accum_steps": 1}
+            "seq_len": 32, "seed": 0, "data": "synthetic", "grad_accum": 1}
     for saved, now in (({"pp": 4, "stages": 4}, {"pp": 2, "stages": 2}),  # 4 stages -> 2
                        ({"dp": 4}, {"dp": 2}),                            # FSDP 4 -> 2 ranks
                        ({"tp": 2}, {"pp": 2, "stages": 2})):              # TP -> pipeline

@@ -28,11 +28,11 @@ def _plan(batch: int, *runs: str) -> dict:
     known = {
         "reference": ["step1", b + ["--no-trace-memory"]],
         "ddp": ["ddp", b],
-        "ddp_accum": ["ddp", b + ["--grad-accum-steps", "2", "--no-trace-memory"]],
+        "ddp_accum": ["ddp", b + ["--grad-accum", "2", "--no-trace-memory"]],
         "zero1": ["ddp", b + ["--zero1"]],
         "fsdp_zero3": ["fsdp", b],
         "fsdp_zero2": ["fsdp", b + ["--no-reshard-after-forward"]],
-        "fsdp_accum": ["fsdp", b + ["--grad-accum-steps", "2", "--no-trace-memory"]],
+        "fsdp_accum": ["fsdp", b + ["--grad-accum", "2", "--no-trace-memory"]],
         "hsdp": ["fsdp", b + ["--hsdp", "2", "2"]],
         "hsdp_2x1": ["fsdp", b + ["--hsdp", "2", "1"]],
         "bf16_ac": ["fsdp", b + ["--mixed-precision", "--activation-checkpointing"]],
