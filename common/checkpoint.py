@@ -155,6 +155,7 @@ class Checkpointer:
                 "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
+                "lr": self.args.lr, "warmup_steps": self.args.warmup_steps,
                 "grad_accum": getattr(self.args, "grad_accum", 1),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
@@ -229,9 +230,10 @@ class Checkpointer:
         if meta["model_config"] != a.model_config.as_dict():
             raise UserError(f"checkpoint {path} holds a {meta['model']!r} model with a different shape than "
                             f"--model {a.model}; resume with the same --model (and --n-layers) or pick another --out.")
+        # The learning rate too: the schedule's state would silently keep the saved one.
         for key, flag in (("global_batch_size", "--global-batch-size"), ("seq_len", "--seq-len"),
-                          ("seed", "--seed"), ("data", "--data")):
-            if meta[key] != getattr(a, key):
+                          ("seed", "--seed"), ("data", "--data"), ("lr", "--lr"), ("warmup_steps", "--warmup-steps")):
+            if key in meta and meta[key] != getattr(a, key):
                 raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
                                 f"{getattr(a, key)}; use the same value to continue exactly.")
         # The data position counts loader batches of global_batch_size / grad_accum (step 3).

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -125,6 +127,7 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
         kwargs.update(store=store, rank=rank, world_size=world)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if launched:
+        _exit_with_launcher(rank)
         # Every rank finishes connecting before any may fail a check and exit: a rank that
         # leaves while another is still inside init_process_group turns a one-line error
         # into a gloo connection traceback on the other rank.
@@ -154,3 +157,25 @@ def launch_hint(ctx, script: str):
     if not ctx.launched:
         ctx.print(f"note: plain python runs a single rank; for four, launch "
                   f"torchrun --nproc-per-node 4 {script}")
+
+
+_watching: set[int] = set()
+
+
+def _exit_with_launcher(rank: int, every_s: float = 1.0):
+    """Stop this worker within seconds if torchrun dies (kill -9 of the launcher): without
+    this the workers train on, orphans writing into --out. The launcher is our parent; once
+    it is gone the process is handed to another, and our parent pid changes."""
+    parent = os.getppid()
+    if parent in _watching or parent <= 1:
+        return  # already watched (several scripts in one job), or no launcher to lose
+    _watching.add(parent)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        print(f"[rank {rank}] error: the launcher (pid {parent}) is gone; stopping this worker.",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()

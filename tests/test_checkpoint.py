@@ -419,7 +419,8 @@ def test_any_parallel_layout_may_resume(tmp_path):
     """DCP reshards by parameter name: another number of pipeline stages, or ranks, is allowed
     (the real 2 -> 4 stage run is in tests/test_checkpoint.py); what changes the numbers is not."""
     args = SimpleNamespace(out=tmp_path, model="debug", model_config=get_config("debug"), global_batch_size=4,
-                           seq_len=32, seed=0, data="synthetic", grad_accum=1, fail_at_step=None)
+                           seq_len=32, seed=0, data="synthetic", grad_accum=1, fail_at_step=None, lr=3e-3,
+                           warmup_steps=10)
     ctx = SimpleNamespace(world_size=2, rank=0)
     meta = {"model": "debug", "model_config": get_config("debug").as_dict(), "global_batch_size": 4,
             "seq_len": 32, "seed": 0, "data": "synthetic", "grad_accum": 1}
@@ -431,6 +432,10 @@ def test_any_parallel_layout_may_resume(tmp_path):
     with pytest.raises(UserError, match="--global-batch-size 8, this run asks for 4"):
         Checkpointer(args, ctx, [], parallel={"dp": 2})._check_compatible(
             tmp_path, meta | {"parallel": {"dp": 4}, "global_batch_size": 8})
+    # --resume --lr X used to keep the saved learning rate without a word: now it is refused
+    with pytest.raises(UserError, match="was trained with --lr 0.001, this run asks for 0.003"):
+        Checkpointer(args, ctx, [], parallel={"dp": 2})._check_compatible(
+            tmp_path, meta | {"parallel": {"dp": 2}, "lr": 1e-3, "warmup_steps": 10})
 
 
 # ==== the model-parallel family (tensor, pipeline, 2-D, 3-D) ===================================

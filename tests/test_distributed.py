@@ -1,6 +1,8 @@
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -65,3 +67,35 @@ def test_a_hang_becomes_an_error_that_names_the_rank():
     assert r.returncode != 0
     assert "[rank 0] failed: RuntimeError:" in r.stderr and "Timed out" in r.stderr
     assert "--pg-timeout" in r.stderr
+
+
+def test_workers_stop_when_their_launcher_is_killed(tmp_path):
+    """kill -9 of torchrun must not leave its workers training (and writing into --out)."""
+    import signal
+    out = tmp_path / "orphans"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "step1_single_gpu" / "train.py"), "--model", "debug", "--steps", "100000", "--seq-len", "32",
+         "--global-batch-size", "2", "--device", "cpu", "--no-trace-memory", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert time.time() < deadline and launcher.poll() is None, "the run did not start"
+            time.sleep(0.5)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        assert len(workers) == 2, workers
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 15
+        alive = workers
+        while alive and time.time() < deadline:
+            time.sleep(0.5)
+            alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
+                     "zombie" not in open(f"/proc/{w}/status").read().lower()]
+        assert not alive, f"workers {alive} still running 15 s after their launcher was killed"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        subprocess.run(["pkill", "-9", "-f", str(out)])
