@@ -43,6 +43,9 @@ def main(out):
         Path(out).write_text(json.dumps({
             "avg": t.tolist(), "mean": want.tolist(), "world": w,
             "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), **seen}))
+    # Both ranks past FSDP's last collective before the group goes: tearing gloo down while
+    # the other rank still works aborted both ranks once on a loaded machine.
+    dist.barrier()
     dist.destroy_process_group()
 
 
