@@ -30,11 +30,13 @@ into one plain ``torch.save`` file of full tensors for inference.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -285,6 +287,61 @@ def _union(modules) -> torch.nn.Module:
             else:
                 raise ValueError(f"two stages of one rank both hold {name!r}")
     return union
+
+
+LOCK = ".run.lock"
+
+
+def lock_out(args, ctx) -> Path | None:
+    """One live run per --out: two runs writing into one folder would mix their metrics and
+    overwrite each other's checkpoints. Rank 0 writes ``<out>/.run.lock`` (its pid and host)
+    and every rank gets its verdict. A lock whose process is gone (a killed run) is stale and
+    taken over; so is one of this very process (a harness running several scripts)."""
+    verdict, path = None, Path(args.out) / LOCK
+    if ctx.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname()
+        try:
+            pid, owner = path.read_text().split()[:2]
+            pid = int(pid)
+        except (OSError, ValueError):
+            pid, owner = None, None
+        if pid is not None and pid != os.getpid():
+            if owner != host:
+                verdict = (f"--out {args.out} is locked by a run on {owner} (pid {pid}); give another --out, or "
+                           f"delete {path} if that run is over.")
+            elif _alive(pid):
+                verdict = (f"another run (pid {pid}) is writing into --out {args.out}; wait for it to end, or give "
+                           f"this run another --out.")
+        if verdict is None:
+            path.write_text(f"{os.getpid()} {host}\n")
+            atexit.register(unlock_out, path)
+    if dist.is_initialized() and ctx.world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict:
+        raise UserError(verdict)
+    return path if ctx.is_main else None
+
+
+def unlock_out(path: Path | None):
+    """Remove the lock if this process holds it."""
+    try:
+        if path is not None and path.read_text().split()[0] == str(os.getpid()):
+            path.unlink()
+    except (OSError, IndexError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def skip_nonfinite_step(optimizer, ctx, enabled: bool):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common.checkpoint import Checkpointer, save_full_weights, skip_nonfinite_step
+from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
 from common.distributed import launch_hint
 from common.errors import UserError
 from common.measure import theory
@@ -49,6 +49,7 @@ class Run:
         script = Path(sys.argv[0])
         if script.parent.name == "step3_multi_gpu":  # a multi-GPU lesson run by plain python: one rank
             launch_hint(ctx, f"{script.parent.name}/{script.name}")
+        self.lock = lock_out(args, ctx)  # one live run per --out
         skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
         # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
         part = self.models if len(self.models) > 1 else self.models[0]
@@ -126,6 +127,7 @@ class Run:
             extra |= {"strategy": self.strategy, "predicted": predicted}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
+        unlock_out(self.lock)
         if not math.isfinite(self.metrics.last_loss):
             # --on-nan skip keeps a run going past bad steps; one that ends non-finite has
             # nothing usable to show for it, and must not look like a success.

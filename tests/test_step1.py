@@ -147,3 +147,20 @@ def test_a_run_that_ends_non_finite_exits_non_zero(monkeypatch, tmp_path, capsys
 def test_a_bad_max_norm_is_one_sentence(monkeypatch, capsys, value):
     code, _ = _main(monkeypatch, [*QUIET, "--max-norm", value])
     assert code == 2 and "--max-norm must be 0 (no clipping) or a positive number" in capsys.readouterr().err
+
+
+def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
+    """A live run's lock in --out refuses a second run there; a dead run's lock does not."""
+    import os
+    import socket
+    lock = tmp_path / ".run.lock"
+    tmp_path.mkdir(exist_ok=True)
+    lock.write_text(f"{os.getppid()} {socket.gethostname()}\n")  # a live process: pytest's parent
+    code, _ = _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])
+    assert code == 2
+    assert f"another run (pid {os.getppid()}) is writing into --out {tmp_path}" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()  # it wrote nothing
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(f"{dead.stdout.strip()} {socket.gethostname()}\n")  # a killed run's stale lock
+    assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0
+    assert not lock.exists()  # released at the end
