@@ -81,6 +81,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args.model_config = get_config(args.model, n_layers=args.n_layers)
     except ValueError as e:
         raise UserError(str(e)) from None
+    _check_it_can_fit(args)
     if args.seq_len > args.model_config.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports "
                         f"({args.model_config.max_seq_len}); use --seq-len {args.model_config.max_seq_len} or less.")
@@ -94,6 +95,29 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
     return args
+
+
+def _check_it_can_fit(args):
+    """Refuse a model no split could hold on this machine before building anything (a
+    million layers would otherwise run until killed): fp32 weights, gradients and AdamW
+    state are 16 bytes a parameter, which at best spread over all the memory of every node."""
+    import os
+
+    import torch
+
+    from common.measure.memory import fmt_bytes
+    from common.model import count_params
+    need = 16 * count_params(args.model_config)
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) \
+        if torch.cuda.is_available() else 0
+    have = max(ram or 0, gpus)
+    if ram and need / nodes > have:
+        raise UserError(f"--model {args.model} with {args.model_config.n_layers} layers has "
+                        f"{need // 16 / 1e9:,.1f}B parameters: their weights, gradients and AdamW state alone need "
+                        f"{fmt_bytes(need)}, more than this machine's {fmt_bytes(have)}; use fewer --n-layers or a "
+                        f"smaller --model.")
 
 
 # ---- chapter 2: memory savers on one device ------------------------------------------------

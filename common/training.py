@@ -38,6 +38,18 @@ def adamw(params, args, **kwargs) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, **adamw_options(args), **kwargs)
 
 
+def eval_batch_count(tokens: torch.Tensor, args) -> int:
+    """``--eval-batches``, but at most one pass over the held-out text: the loader is endless,
+    and a huge value would evaluate the same batches over and over (for hours)."""
+    per_pass = ((len(tokens) - 1) // args.seq_len) // args.global_batch_size
+    if args.eval_batches > per_pass and not getattr(args, "_eval_capped", False):
+        args._eval_capped = True  # say it once, on one rank
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"--eval-batches {args.eval_batches}: the held-out text holds {per_pass} batches of "
+                  f"{args.global_batch_size} x {args.seq_len}; evaluating on those", flush=True)
+    return min(args.eval_batches, per_pass)
+
+
 @torch.no_grad()
 def evaluate(model, tokens: torch.Tensor, args, device) -> float | None:
     """Mean next-byte loss on the first ``--eval-batches`` held-out batches (no shuffle)."""
@@ -47,7 +59,7 @@ def evaluate(model, tokens: torch.Tensor, args, device) -> float | None:
     model.eval()
     batches = iter(Batches(tokens, args.seq_len, args.global_batch_size, shuffle=False))
     losses = []
-    for _ in range(args.eval_batches):
+    for _ in range(eval_batch_count(tokens, args)):
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
         losses.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item())

@@ -164,3 +164,22 @@ def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
     lock.write_text(f"{dead.stdout.strip()} {socket.gethostname()}\n")  # a killed run's stale lock
     assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0
     assert not lock.exists()  # released at the end
+
+
+def test_a_model_no_machine_here_could_hold_is_refused_before_any_work(monkeypatch, capsys):
+    """--n-layers 1000000 used to build until killed: 16 bytes a parameter is checked first."""
+    code, _ = _main(monkeypatch, ["--n-layers", "1000000", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "with 1000000 layers has 786.9B parameters" in err and "use fewer --n-layers" in err
+
+
+def test_eval_batches_stop_after_one_pass_over_the_held_out_text(monkeypatch, tmp_path, capsys):
+    """--eval-batches 1000000000 used to evaluate the same batches for hours."""
+    from common.data import load_corpus
+    from common.training import eval_batch_count
+    args = type("A", (), {"seq_len": 32, "global_batch_size": 4, "eval_batches": 10**9})()
+    val = load_corpus("synthetic").val
+    assert eval_batch_count(val, args) == ((len(val) - 1) // 32) // 4
+    assert "--eval-batches 1000000000: the held-out text holds" in capsys.readouterr().out
+    args.eval_batches = 3
+    assert eval_batch_count(val, args) == 3

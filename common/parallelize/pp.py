@@ -14,7 +14,7 @@ import torch.distributed as dist
 from common.errors import UserError
 from common.measure.theory import stage_layers  # the formulas live in theory.py
 from common.model import ModelConfig, Transformer
-from common.training import global_loss
+from common.training import eval_batch_count, global_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -172,10 +172,11 @@ def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last:
     from common.data import Batches
     batches = iter(Batches(tokens, args.seq_len, args.global_batch_size, dp_rank, dp_size, shuffle=False))
     total = 0.0
-    for _ in range(args.eval_batches):
+    n = eval_batch_count(tokens, args)
+    for _ in range(n):
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
         losses = []
         schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
         total += global_loss(pipeline_loss(losses, last_rank, device, pp_group), dp_group, dp_size).item()
-    return total / args.eval_batches
+    return total / n
