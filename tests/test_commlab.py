@@ -247,5 +247,10 @@ def test_powersgd_on_cpu_ranks_of_a_machine_with_a_gpu(monkeypatch):
             model(x).square().mean().backward()
         assert state.iter >= 3  # past start_powerSGD_iter: the compressing path (and its sync) ran
         assert torch.cuda.synchronize is fake_sync  # the shim is gone again
+        # Drain gloo's queue (the hook's last all-reduce) and drop DDP's reducer while its group
+        # is alive: freeing it after destroy_process_group once left gloo's destructor joining a
+        # busy worker thread forever.
+        dist.barrier()
+        del model, state
     finally:
         dist.destroy_process_group()
