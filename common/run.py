@@ -41,7 +41,7 @@ class Run:
 
     def __init__(self, args, ctx, models, optimizer, scheduler=None, data=None, *, strategy: str | None,
                  title: str, parallel: dict | None = None, dtype: str = "fp32", predict: dict | None = None,
-                 fsdp: bool = False, sources=(), ckpt_optimizer=None, checkpoint: bool = True):
+                 fsdp: bool = False, sources=(), ckpt_optimizer=None):
         self.args, self.ctx, self.scheduler = args, ctx, scheduler
         self.strategy, self.title, self.predict = strategy, title, predict or {}
         self.parallel = parallel or {"dp": ctx.world_size}
@@ -54,8 +54,8 @@ class Run:
         # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
         part = self.models if len(self.models) > 1 else self.models[0]
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
-                                 parallel=self.parallel) if checkpoint else None
-        self.start = self.ckpt.resume() if self.ckpt else 0  # the step after the newest checkpoint
+                                 parallel=self.parallel)
+        self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)
         if fsdp:
@@ -95,13 +95,8 @@ class Run:
         self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step), **extra)
         if self.scheduler is not None:
             self.scheduler.step()
-        if self.ckpt is not None:
-            # NaN check (of the loss and the gradient norm), --ckpt-every, --fail-at-step
-            self.ckpt.end_step(step, self.metrics.last_loss, extra.get("grad_norm"))
-
-    @property
-    def last_loss(self) -> float:
-        return self.metrics.last_loss
+        # NaN check (of the loss and the gradient norm), --ckpt-every, --fail-at-step
+        self.ckpt.end_step(step, self.metrics.last_loss, extra.get("grad_norm"))
 
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""

@@ -167,11 +167,6 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     cfg = s["model_config"]
     n = s["n_params"]
     world = s["world_size"]
-    if not any((Path(runs_dir) / d / "summary.json").exists() for d in ("ddp",)):
-        tensors = 9 * cfg["n_layers"] + 3
-        lines.append(f"| DDP {world} (formula, not run in this checkout) | {fmt_bytes(4 * n)} | {fmt_bytes(4 * n)} | "
-                     f"{fmt_bytes(8 * n + 4 * tensors)} | as one device at batch/{world} | | {fmt_bytes(4 * n)} | "
-                     f"{fmt_bytes(2 * (world - 1) / world * 4 * n)} | |")
     assert n == count_params(ModelConfig(**cfg))
     lines += ["", f"Measured on {s['device_name']} ({s['backend']}), {world} ranks, fp32: the {s['model']} preset with "
               f"{cfg['n_layers']} layers (N = {n:,} parameters, {fmt_bytes(4 * n)} of fp32 weights), global batch "
