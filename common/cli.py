@@ -120,34 +120,72 @@ def _check_it_can_fit(args):
                         f"smaller --model.")
 
 
-# ---- chapter 2: memory savers on one device ------------------------------------------------
+# ---- the memory savers: chapter 2 teaches them, every later script keeps them -------------
 # Each lesson adds its own flags, so a script never accepts a flag that it would ignore.
-def add_amp_flags(p: argparse.ArgumentParser) -> None:
+# One vocabulary everywhere: the same names and meanings in step 2 and step 3; only the
+# defaults differ, each chapter's being its lesson (step 2b: full AC) or, in step 3, what a
+# GPU user trains with (bf16, no AC, one micro-batch).
+def add_amp_flags(p: argparse.ArgumentParser, default: str = "bf16", fp16: bool = True) -> None:
     g = p.add_argument_group("mixed precision, and two speed-ups that save no memory")
-    g.add_argument("--amp", default="bf16", help="autocast dtype: bf16 (default), fp16 (CUDA, with a GradScaler) or off")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (the traced steps run eagerly)")
+    g.add_argument("--amp", default=default,
+                   help=f"compute dtype: bf16, {'fp16 (CUDA, with a GradScaler), ' if fp16 else ''}or off (fp32) "
+                        f"(default: {default})")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model, block by block (the traced steps run eagerly)")
     g.add_argument("--fused-adamw", action="store_true", help="AdamW's fused kernel: one kernel for all parameters")
 
 
-def add_ac_flags(p: argparse.ArgumentParser) -> None:
+def add_ac_flags(p: argparse.ArgumentParser, default: str = "full") -> None:
     g = p.add_argument_group("activation checkpointing")
-    g.add_argument("--ac", default="full",
-                   help="none; full: recompute each block in backward (default); selective: keep matmul and "
-                        "attention outputs, recompute the rest")
+    g.add_argument("--ac", default=default,
+                   help=f"none; full: recompute each block in backward; selective: keep matmul and attention "
+                        f"outputs, recompute the rest (default: {default})")
     g.add_argument("--ac-every", type=int, default=1,
                    help="checkpoint only every k-th transformer block (default: 1, all of them)")
 
 
-def add_accum_flags(p: argparse.ArgumentParser) -> None:
+def add_accum_flags(p: argparse.ArgumentParser, default: int = 4, what: str = "") -> None:
     g = p.add_argument_group("gradient accumulation")
-    g.add_argument("--grad-accum", type=int, default=4,
-                   help="split each global batch into this many micro-batches, one forward and backward "
-                        "each, and step once (default: 4)")
+    # --grad-accum-steps: step 3's old name, still accepted
+    g.add_argument("--grad-accum", "--grad-accum-steps", dest="grad_accum", type=int, default=default,
+                   help=f"split each global batch into this many micro-batches, one forward and backward "
+                        f"each, and step once{what} (default: {default})")
 
 
-def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> argparse.Namespace:
-    """Check the chapter-2 flags a script declared against each other and the device.
+def add_saver_flags(p: argparse.ArgumentParser, accum_what: str = "") -> None:
+    """Step 3's flags for the savers of chapter 2, with a GPU user's defaults. fp16 is
+    left out: its loss scale would have to agree across ranks (and be checkpointed), a
+    recipe bf16 makes unnecessary on every GPU since Ampere."""
+    add_amp_flags(p, default="bf16", fp16=False)
+    add_ac_flags(p, default="none")
+    add_accum_flags(p, default=1, what=accum_what)
+    # the names train_fsdp.py used before every script had the savers: still accepted
+    p.add_argument("--mixed-precision", dest="amp", action="store_const", const="bf16", help=argparse.SUPPRESS)
+    p.add_argument("--activation-checkpointing", dest="ac", action="store_const", const="full",
+                   help=argparse.SUPPRESS)
 
+
+def saver_label(args: argparse.Namespace) -> str:
+    """The savers a run uses, for titles: "AMP bf16 + full AC + compiled" ("" without saver flags)."""
+    parts = []
+    if hasattr(args, "amp"):
+        parts.append("fp32" if args.amp == "off" else f"AMP {args.amp}")
+    if getattr(args, "ac", "none") != "none":
+        parts.append(f"{args.ac} AC" + (f" every {args.ac_every} blocks" if args.ac_every > 1 else ""))
+    if getattr(args, "compile", False):
+        parts.append("compiled")
+    if getattr(args, "grad_accum", 1) > 1:
+        parts.append(f"{args.grad_accum} micro-batches")
+    return " + ".join(parts)
+
+
+def check_memory_savers(args: argparse.Namespace, device, dp_size: int | None = 1, *,
+                        fp16: bool = True) -> argparse.Namespace:
+    """Check the saver flags a script declared against each other and the device.
+
+    ``dp_size``: the data-parallel ranks the global batch is split over, for the
+    micro-batch check (None: the script checks the split itself, with micro_batch_size).
+    ``fp16``: whether the script offers fp16 (step 3 does not, see add_saver_flags).
     Adds ``args.amp_dtype`` (None when off) and ``args.compute_dtype`` (for MFU).
     """
     from common.parallelize.ac import AC_MODES
@@ -156,6 +194,9 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> a
     if hasattr(args, "amp"):
         if args.amp not in AMP_DTYPES:
             raise UserError(f"unknown --amp {args.amp!r}; choose one of {', '.join(AMP_DTYPES)}.")
+        if args.amp == "fp16" and not fp16:
+            raise UserError("--amp fp16 is not offered in step 3: its loss scale would have to agree across "
+                            "ranks; use --amp bf16 (the default), which needs no loss scaling, or --amp off.")
         for why in (amp_unsupported(device, args.amp),
                     args.fused_adamw and fused_adamw_unsupported(device),
                     args.compile and compile_unsupported(device)):
@@ -172,7 +213,7 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int = 1) -> a
             raise UserError(f"unknown --ac mode {args.ac!r}; choose one of {', '.join(AC_MODES)}.")
         if args.ac_every <= 0:
             raise UserError(f"--ac-every must be positive (got {args.ac_every}).")
-    if hasattr(args, "grad_accum"):
+    if hasattr(args, "grad_accum") and dp_size is not None:
         if args.grad_accum <= 0:
             raise UserError(f"--grad-accum must be positive (got {args.grad_accum}).")
         # Equal micro-batches: only then is the mean of their mean losses the batch's mean loss.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from common import cli
 from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
 from common.distributed import launch_hint
 from common.errors import UserError
@@ -35,15 +36,20 @@ from common.measure.metrics import Metrics
 class Run:
     """``models``: one module, or a list (a pipeline rank's stages). ``strategy``: the
     name theory.py predicts for (None: no prediction). ``predict``: the extra keyword
-    arguments of that prediction (shard, accum, dtype, ac, ...). ``fsdp``: let the tracer
+    arguments of that prediction (shard, microbatches, ...); dtype, ac and accum come from
+    the saver flags (--amp, --ac, --grad-accum) unless given. ``fsdp``: let the tracer
     see FSDP's gathered parameters. ``sources``: optimizer state the tracer cannot find
     by itself (ZeRO-1's inner optimizer)."""
 
     def __init__(self, args, ctx, models, optimizer, scheduler=None, data=None, *, strategy: str | None,
-                 title: str, parallel: dict | None = None, dtype: str = "fp32", predict: dict | None = None,
+                 title: str, parallel: dict | None = None, dtype: str | None = None, predict: dict | None = None,
                  fsdp: bool = False, sources=(), ckpt_optimizer=None):
         self.args, self.ctx, self.scheduler = args, ctx, scheduler
-        self.strategy, self.title, self.predict = strategy, title, predict or {}
+        dtype = dtype or getattr(args, "compute_dtype", "fp32")
+        self.strategy = strategy
+        self.title = ", ".join(filter(None, [title, cli.saver_label(args)]))
+        self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "accum": getattr(args, "grad_accum", 1),
+                        **(predict or {})}
         self.parallel = parallel or {"dp": ctx.world_size}
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         script = Path(sys.argv[0])

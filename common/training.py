@@ -15,6 +15,16 @@ from common.errors import UserError
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast_forward(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Run ``module``'s forward under ``torch.autocast(dtype)`` (None: unchanged), for code that
+    calls the forward itself (a pipeline schedule). Only the forward: backward runs each op
+    in the dtype its forward used. The instance's ``forward`` is wrapped; the class, the
+    parameter names and the state_dict are untouched."""
+    if dtype is not None:
+        module.forward = torch.autocast(torch.device(device).type, dtype=dtype)(module.forward)
+    return module
+
+
 def lr_schedule(optimizer: torch.optim.Optimizer, args) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to ``--lr``, then cosine decay to a tenth of it at the last step."""
     warmup, total = args.warmup_steps, args.steps
@@ -29,13 +39,15 @@ def lr_schedule(optimizer: torch.optim.Optimizer, args) -> torch.optim.lr_schedu
 
 
 def adamw_options(args) -> dict:
-    """The AdamW hyperparameters, for wrappers that build the optimizer themselves (ZeRO-1)."""
-    return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    """The AdamW hyperparameters, for wrappers that build the optimizer themselves (ZeRO-1).
+    ``--fused-adamw``: one kernel for all parameters. fused=None, not False, without it:
+    None keeps PyTorch's default (the foreach kernels on CUDA)."""
+    return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=getattr(args, "fused_adamw", False) or None)
 
 
 def adamw(params, args, **kwargs) -> torch.optim.AdamW:
     """AdamW as every script uses it (fp32 state: 8 bytes per parameter)."""
-    return torch.optim.AdamW(params, **adamw_options(args), **kwargs)
+    return torch.optim.AdamW(params, **(adamw_options(args) | kwargs))
 
 
 def eval_batch_count(tokens: torch.Tensor, args) -> int:

@@ -41,8 +41,7 @@ def main():
         # Per transformer block, from outside the model, and before torch.compile (which
         # then sees the recomputation and can fuse it).
         apply_ac(model, args.ac, every=args.ac_every)
-        # fused=None, not False: None keeps PyTorch's default (the foreach kernels on CUDA).
-        optimizer = adamw(model.parameters(), args, fused=args.fused_adamw or None)
+        optimizer = adamw(model.parameters(), args)  # --fused-adamw: one kernel for all parameters
         scheduler = lr_schedule(optimizer, args)
         if args.compile:
             model.compile()  # in place: parameter names and state_dict keys do not change
@@ -52,8 +51,8 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None, dtype=args.compute_dtype,
-                  title=f"Step 2, AMP {args.amp} + {args.ac} AC + {args.grad_accum} micro-batches")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None,
+                  title="Step 2")
         batches = iter(data)
         for step in run.steps():
             with run.step(step):

@@ -35,8 +35,7 @@ def main():
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
-        # fused=None, not False: None keeps PyTorch's default (the foreach kernels on CUDA).
-        optimizer = adamw(model.parameters(), args, fused=args.fused_adamw or None)
+        optimizer = adamw(model.parameters(), args)  # --fused-adamw: one kernel for all parameters
         scheduler = lr_schedule(optimizer, args)
         if args.compile:
             model.compile()  # in place: parameter names and state_dict keys do not change
@@ -46,8 +45,8 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None, dtype=args.compute_dtype,
-                  title=f"Step 2, AMP {args.amp}")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None,
+                  title="Step 2")
         batches = iter(data)
         for step in run.steps():
             with run.step(step):

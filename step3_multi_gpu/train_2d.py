@@ -8,7 +8,9 @@ same batch (train_tp.py): chatty, so on a real cluster these are the GPUs of one
 joined by NVLink. Along dp, FSDP shards those shards again and each group reads its own
 slice of the batch (train_fsdp.py): one all-gather per block and one reduce-scatter of
 gradients per step, which overlap with compute and tolerate the slower network between
-nodes. Each rank holds 1/(dp x tp) of the weights, gradients and AdamW state.
+nodes. Each rank holds 1/(dp x tp) of the weights, gradients and AdamW state. Step 2's
+savers come along: --amp bf16 (the default; FSDP's mixed-precision policy), --ac,
+--compile, --fused-adamw, --grad-accum.
 """
 import os
 import sys
@@ -24,10 +26,12 @@ from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import UserError, main_guard
 from common.model import Transformer
+from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
-from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule
+from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
 @main_guard
@@ -37,8 +41,10 @@ def main():
                    help="tensor-parallel degree, the inner mesh dimension (default: 2, or 1 on an odd world size)")
     p.add_argument("--dp", type=int, default=None, help="FSDP degree, the outer dimension (default: world size / tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
+    cli.add_saver_flags(p)
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")
         args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)
@@ -48,14 +54,17 @@ def main():
         mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))
         corpus = load_corpus(args.data, seed=args.seed)
         # The data is split along dp only: the ranks of one TP group read the same samples.
-        data = Batches(corpus.train, args.seq_len, args.global_batch_size,
+        micro_batch_size(args.global_batch_size, dp, args.grad_accum)  # splits evenly?
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, seed=args.seed)
 
         # Tensor parallel first (inside the node), then FSDP over the result (across nodes).
         with torch.device("meta"):
             model = Transformer(args.model_config)
         apply_tp(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
-        apply_fsdp(model, mesh["dp"])
+        apply_ac(model, args.ac, every=args.ac_every)  # per block, inside each FSDP unit
+        apply_fsdp(model, mesh["dp"], param_dtype=args.amp_dtype)  # bf16 gathers, fp32 shards and reduction
+        apply_compile(model, args.compile)  # per block, last
         model.to_empty(device=ctx.device)
         model.init_weights(args.seed)
         optimizer = adamw(model.parameters(), args)
@@ -67,18 +76,23 @@ def main():
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
-                x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
-                logits = model(x)  # split over the vocabulary along tp
-                with loss_parallel():
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                    loss.backward()  # FSDP averages the gradients over dp
+                step_loss = torch.zeros((), device=ctx.device)
+                for micro in range(args.grad_accum):
+                    x, y = next(batches)
+                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    if hasattr(model, "set_requires_gradient_sync"):  # not FSDP-wrapped where dp is 1
+                        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # reduce-scatter once
+                    logits = model(x)  # split over the vocabulary along tp
+                    with loss_parallel():
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
+                        loss.backward()  # FSDP averages the gradients over dp
+                    step_loss += global_loss(loss)  # made whole along tp
                 # The global norm (FSDP x TP shards, reduced over both dimensions of the mesh).
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # Each TP group's loss is the mean over its share of the batch; average over dp.
-            run.log(step, global_loss(loss, mesh["dp"].get_group(), dp), grad_norm=grad_norm)
+            run.log(step, global_loss(step_loss, mesh["dp"].get_group(), dp), grad_norm=grad_norm)
 
         with loss_parallel():
             val_loss = evaluate(model, corpus.val, args, ctx.device)

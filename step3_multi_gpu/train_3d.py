@@ -11,7 +11,8 @@ consecutive, i.e. on one node. Every stage of the pipeline is a 2-D (FSDP x TP) 
 its own layers (train_2d.py), and each data-parallel replica of the pipeline reads its
 slice of the batch and runs the schedule on it (train_pp.py). The three use different
 links: TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters between the nodes
-of a stage, PP's point-to-point activations between stages.
+of a stage, PP's point-to-point activations between stages. Step 2's savers come along:
+--amp bf16 (the default; FSDP's mixed-precision policy), --ac, --compile, --fused-adamw.
 """
 import math
 import os
@@ -27,9 +28,11 @@ from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import UserError, main_guard
 from common.measure.theory import stage_layers
+from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
-from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedule, pipeline_evaluate, pipeline_loss,
-                                   stage_indices)
+from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
+                                   pipeline_loss, stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -45,7 +48,7 @@ def default_layout(args, world: int):
 
 
 def loss_fn(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @main_guard
@@ -56,8 +59,11 @@ def main():
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, the inner dimension (default: from the world size)")
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
+    cli.add_saver_flags(p)
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
+        check_no_accum(args)
         default_layout(args, ctx.world_size)
         if min(args.pp, args.dp, args.tp) <= 0:
             raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
@@ -74,9 +80,11 @@ def main():
 
         def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
             apply_tp(stage_model, mesh["tp"], loss_parallel=False)
+            apply_ac(stage_model, args.ac, every=args.ac_every)
             # Keep the gathered weights through the step: otherwise FSDP would gather them
-            # again for every micro-batch's forward and backward.
-            apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False)
+            # again for every micro-batch's forward and backward. bf16 gathers, fp32 shards.
+            apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False, param_dtype=args.amp_dtype)
+            apply_compile(stage_model, args.compile)
 
         my_stages = stage_indices(pp_rank, args.pp, args.schedule)
         n_stages = args.pp * len(my_stages)

@@ -5,7 +5,9 @@ each global batch; after backward, DDP all-reduces (averages) the gradients so t
 copy takes the same step and stays identical. Launch one process per rank:
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1
-(plain python runs it as a single rank). runs/train_ddp/memory_trace.png has one panel per
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --ac full --compile
+(plain python runs it as a single rank). Step 2's savers come along: bf16 autocast (the
+default; --amp off for fp32), --ac, --compile, --fused-adamw, --grad-accum. runs/train_ddp/memory_trace.png has one panel per
 rank: 16 bytes per parameter on each (4 weights, 4 gradients, 8 AdamW state); --zero1
 keeps 8 + 8/W, the optimizer state being split over the W ranks.
 """
@@ -26,6 +28,8 @@ from common.distributed import distributed
 from common.errors import main_guard
 from common.model import build_model
 from common.parallelize import comm_hooks
+from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
 from common.parallelize.ddp import ddp_no_buffer_sync
 from common.run import Run
 from common.training import adamw, adamw_options, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
@@ -34,14 +38,13 @@ from common.training import adamw, adamw_options, clip_grad_norm, evaluate, glob
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
-    # step 2's name for it; --grad-accum-steps, the old name, still works
-    p.add_argument("--grad-accum", "--grad-accum-steps", dest="grad_accum", type=int, default=1,
-                   help="micro-batches per optimizer step; gradients are all-reduced after the last only (default: 1)")
+    cli.add_saver_flags(p, accum_what="; gradients are all-reduced after the last only")
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
         corpus = load_corpus(args.data, seed=args.seed)
@@ -52,6 +55,8 @@ def main(argv=None):
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
+        apply_ac(model, args.ac, every=args.ac_every)  # per block, before compiling it
+        apply_compile(model, args.compile)  # per block: DDP's all-reduces stay outside the graphs
         # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a
         # second copy of 4 bytes per parameter. The buffers (RoPE tables) are constants: no
         # need to broadcast them before every forward.
@@ -71,7 +76,7 @@ def main(argv=None):
         # and the memory tracer is shown where it is.
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy=strategy,
                   title="Step 3a, " + ("DDP + ZeRO-1" if args.zero1 else "DDP"),
-                  parallel={"dp": mesh.size()}, predict={"accum": args.grad_accum},
+                  parallel={"dp": mesh.size()},
                   ckpt_optimizer=optimizer.optim if args.zero1 else None,
                   sources=[lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else [])
         batches = iter(data)
@@ -85,8 +90,11 @@ def main(argv=None):
                     # into p.grad (no_sync must cover the forward as well as the backward).
                     last = micro == args.grad_accum - 1
                     with contextlib.nullcontext() if last else model.no_sync():
-                        logits = model(x)  # (micro-batch, seq, vocab)
-                        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
+                        # Every rank holds whole fp32 weights: autocast casts bf16 copies for the
+                        # matmuls, as on one device; the gradients (and DDP's all-reduce) stay fp32.
+                        with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
+                            logits = model(x)  # (micro-batch, seq, vocab)
+                            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
                         loss.backward()  # on the last micro-batch: all-reduce, bucket by bucket
                     step_loss += loss.detach()
                 # The global norm (the all-reduced gradients are the same on every rank).

@@ -7,9 +7,11 @@ rank (plain python runs it as a single rank):
     torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py                             # ZeRO-3
     torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --no-reshard-after-forward  # ZeRO-2
     torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --hsdp 2 2                  # HSDP
-    torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --mixed-precision --activation-checkpointing
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --ac full --compile
 runs/train_fsdp/memory_trace.png has one panel per rank: 16N/W bytes of model state, plus
-the one or two blocks whose parameters are gathered at any moment.
+the one or two blocks whose parameters are gathered at any moment. Step 2's savers come
+along (--amp bf16, the default, or off; --ac, --compile, --fused-adamw, --grad-accum), each
+applied the way FSDP wants it.
 """
 import argparse
 import os
@@ -26,6 +28,7 @@ from common.distributed import distributed
 from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
@@ -34,23 +37,18 @@ from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_sch
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
-    # step 2's name for it; --grad-accum-steps, the old name, still works
-    p.add_argument("--grad-accum", "--grad-accum-steps", dest="grad_accum", type=int, default=1,
-                   help="micro-batches per optimizer step; gradients are reduce-scattered after the last only (default: 1)")
+    cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered parameters after its forward and gather them again in "
                         "backward (ZeRO-3, the default); --no-reshard-after-forward keeps them (ZeRO-2)")
     p.add_argument("--hsdp", type=int, nargs=2, metavar=("REPLICAS", "SHARDS"),
                    help="hybrid sharding: shard each parameter over SHARDS ranks and replicate that over "
                         "REPLICAS groups (REPLICAS x SHARDS = the number of ranks)")
-    p.add_argument("--mixed-precision", action="store_true",
-                   help="compute in bf16 (gather parameters in bf16), keep fp32 shards, reduce gradients in fp32")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of storing them")
     p.add_argument("--cpu-offload", action="store_true",
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
     args = cli.parse(p, argv)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
@@ -65,25 +63,24 @@ def main(argv=None):
         # rank materialises its own shards, so the full model never exists anywhere.
         with torch.device("meta"):
             model = Transformer(args.model_config)
-        if args.activation_checkpointing:
-            apply_ac(model, "full")  # before FSDP: the checkpoint sits inside each unit
+        apply_ac(model, args.ac, every=args.ac_every)  # before FSDP: the checkpoint sits inside each unit
+        # --amp bf16 is FSDP's mixed-precision policy, not autocast: it gathers the parameters
+        # in bf16 (half the all-gather bytes; autocast would gather fp32 and then cast),
+        # keeps the shards and AdamW in fp32, and reduce-scatters the gradients in fp32.
         apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
-                   param_dtype=torch.bfloat16 if args.mixed_precision else None, cpu_offload=args.cpu_offload)
+                   param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload)
+        apply_compile(model, args.compile)  # per block, after fully_shard: its hooks stay outside the graphs
         model.to_empty(device=ctx.device)
         model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
         optimizer = adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
         scheduler = lr_schedule(optimizer, args)
         what = (f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP") + \
-            (" ZeRO-3" if args.reshard_after_forward else " ZeRO-2") + \
-            (", bf16" if args.mixed_precision else "") + (", activation checkpointing" if args.activation_checkpointing else "")
-        dtype = "bf16" if args.mixed_precision else "fp32"
+            (" ZeRO-3" if args.reshard_after_forward else " ZeRO-2")
         # Each rank checkpoints only its shards (DTensors); a run on another number of ranks
         # reads its new shards from whichever files hold them.
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, title=f"Step 3a, {what}",
                   strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
-                  parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), dtype=dtype,
-                  predict=dict(shard=args.hsdp and args.hsdp[1], accum=args.grad_accum, dtype=dtype,
-                               ac="full" if args.activation_checkpointing else "none"))
+                  parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), predict=dict(shard=args.hsdp and args.hsdp[1]))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):

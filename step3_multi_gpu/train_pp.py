@@ -12,6 +12,9 @@ idles for a fraction (p-1)/(m+p-1) of a step (the bubble) with p stages and m
 micro-batches. GPipe runs all forwards then all backwards (m micro-batches of
 activations alive); 1F1B starts each backward as soon as it can (at most p alive);
 interleaved 1F1B gives each rank two smaller stages, which shrinks the bubble further.
+Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac,
+--compile, --fused-adamw. A pipeline already accumulates gradients over its micro-batches:
+--microbatches is its --grad-accum.
 """
 import os
 import sys
@@ -28,15 +31,18 @@ from common.distributed import distributed
 from common.errors import main_guard
 from common.measure.pipeline import ComputeTimer, bubble_report
 from common.measure.theory import stage_layers
-from common.parallelize.pp import (SCHEDULES, build_stage, check_pp, make_schedule, pipeline_evaluate, pipeline_loss,
-                                   stage_indices)
+from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
+from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
+                                   pipeline_loss, stage_indices)
 from common.run import Run
-from common.training import adamw, clip_grad_norm, lr_schedule
+from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
 
 def loss_fn(logits, targets):
-    """Applied by the last stage to each micro-batch; the schedule averages over them."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """Applied by the last stage to each micro-batch; the schedule averages over them. In
+    fp32: the schedule calls it outside the stage's autocast, on bf16 logits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @main_guard
@@ -44,8 +50,11 @@ def main():
     p = cli.parser(__doc__)
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default: 4)")
+    cli.add_saver_flags(p)
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, fp16=False)
+        check_no_accum(args)
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
         corpus = load_corpus(args.data, seed=args.seed)
@@ -57,6 +66,12 @@ def main():
         my_stages = stage_indices(ctx.rank, pp, args.schedule)
         n_stages = pp * len(my_stages)
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed) for s in my_stages]
+        for m in models:
+            apply_ac(m, args.ac, every=args.ac_every)  # per block, then compile it
+            apply_compile(m, args.compile)
+            # The schedule, not this script, calls each stage's forward: autocast goes on the
+            # forward itself. Activations cross stages in the residual stream's dtype (fp32).
+            autocast_forward(m, ctx.device, args.amp_dtype)
         stages = [PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(models, my_stages)]
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages

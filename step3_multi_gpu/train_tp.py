@@ -9,6 +9,8 @@ applied from outside by common/parallelize/tp.py:apply_tp). The price: the ranks
 combine their partial results twice per block in the forward pass and twice in the
 backward pass, a (batch x seq x dim) activation each time, on the critical path. That is
 why tensor parallelism lives inside a node, on NVLink, and not across the network.
+Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac,
+--compile, --fused-adamw, --grad-accum.
 """
 import argparse
 import contextlib
@@ -25,8 +27,9 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.measure.theory import tp_bytes_per_step
 from common.model import Transformer
+from common.parallelize.ac import apply_ac
+from common.parallelize.compile import apply_compile
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule
@@ -39,18 +42,22 @@ def main():
                    help="also split the activations between blocks (norms, residual) along the sequence")
     p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
+    cli.add_saver_flags(p)
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
         tp_mesh = ctx.mesh((ctx.world_size,), ("tp",))
         corpus = load_corpus(args.data, seed=args.seed)
         # Not data parallel: every rank reads the same whole batch.
-        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum, seed=args.seed)
 
         # Build on meta, split, then allocate: no rank ever holds a full weight matrix.
         with torch.device("meta"):
             model = Transformer(args.model_config)
         apply_tp(model, tp_mesh, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+        apply_ac(model, args.ac, every=args.ac_every)  # per block, around the split block's forward
+        apply_compile(model, args.compile)  # per block, after the split: the graph holds the DTensor ops
         model.to_empty(device=ctx.device)
         model.init_weights(args.seed)  # each rank keeps its shard of the same full weights
         optimizer = adamw(model.parameters(), args)  # AdamW state is sharded like the weights
@@ -67,23 +74,27 @@ def main():
 
         for step in run.steps():
             with run.step(step):
-                x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
-                logits = model(x)
-                with loss_context():
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                    loss.backward()
+                step_loss = torch.zeros((), device=ctx.device)
+                for micro in range(args.grad_accum):  # micro-batches of the same batch on every rank
+                    x, y = next(batches)
+                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    # autocast casts each rank's weight slices to bf16 for the matmuls (DTensor
+                    # runs under it like any tensor); the shards, gradients and AdamW stay fp32.
+                    with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
+                        logits = model(x)
+                    with loss_context():
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
+                        loss.backward()
+                    step_loss += global_loss(loss)
                 # The global norm (each weight's slices count once, the replicated norms' weights once).
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            run.log(step, global_loss(loss), grad_norm=grad_norm)  # every rank saw the whole batch: no averaging
+            run.log(step, step_loss, grad_norm=grad_norm)  # every rank saw the whole batch: no averaging
 
         with loss_context():
             val_loss = evaluate(model, corpus.val, args, ctx.device)
-        run.finish(val_loss=val_loss, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                   comm_expected=tp_bytes_per_step(args.model_config, args.global_batch_size, args.seq_len,
-                                                   args.sequence_parallel))
+        run.finish(val_loss=val_loss, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,13 @@ sys.path.insert(0, str(ROOT))
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
 from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
+from tests.tolerances import check_bf16_parity  # noqa: E402
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
 COMMON = ["--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ), "--data", "synthetic",
-          "--eval-batches", "0", "--save-weights", "--max-norm", "0.5"]  # every step clips
+          "--eval-batches", "0", "--save-weights", "--max-norm", "0.5",  # every step clips
+          "--amp", "off"]  # fp32: the parity to ~1e-7 is an fp32 claim (bf16 cases say --amp bf16)
 QUIET = COMMON + ["--no-trace-memory"]
 TRACED = COMMON + ["--trace-start", "1", "--trace-steps", "1"]  # memory measured in one step
 TP, PP = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py"
@@ -55,6 +57,15 @@ CASES = {
         case("pp2_interleaved", PP, "--model", "debug", "--schedule", "interleaved1f1b", "--microbatches", "4"),
         case("pp2_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "1f1b", "--microbatches", "4",
              base=TRACED),
+        # the savers: AC and accumulation in fp32 (parity), bf16 against one device's bf16
+        case("tp2_ac", TP, "--model", "debug", "--ac", "full"),
+        case("tp2_accum", TP, "--model", "debug", "--grad-accum", "2"),
+        case("pp2_ac", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--ac", "selective"),
+        case("bf16_tp2", TP, "--model", "debug", "--amp", "bf16"),
+        case("bf16_pp2", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--amp", "bf16"),
+        case("err_pp_accum", PP, "--model", "debug", "--grad-accum", "2",
+             error="--grad-accum 2: a pipeline already accumulates gradients over its micro-batches; raise "
+                   "--microbatches instead (now 4)."),
         case("err_pp_stages", PP, "--model", "debug", "--schedule", "interleaved1f1b", "--n-layers", "3",
              error="4 pipeline stages (2 ranks x 2 with interleaved1f1b) but the model has only 3 layers; "
                    "use fewer ranks or more --n-layers."),
@@ -69,6 +80,8 @@ CASES = {
         case("pp4_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "gpipe", "--microbatches", "4",
              base=TRACED),
         case("2d", TWO_D, "--model", "debug", "--tp", "2"),
+        case("2d_ac_accum", TWO_D, "--model", "debug", "--tp", "2", "--ac", "selective", "--grad-accum", "2"),
+        case("bf16_2d", TWO_D, "--model", "debug", "--tp", "2", "--amp", "bf16", "--ac", "full"),
         case("err_tp_heads", TP, "--model", "debug",
              error="the model's n_kv_heads (2) is not divisible by the tensor-parallel degree 4; choose a degree "
                    "that divides it (or a model with more key/value heads)."),
@@ -103,13 +116,17 @@ CASES = {
         case("3d_pp_tp", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
              "--schedule", "gpipe"),
+        case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
+             "--schedule", "gpipe", "--amp", "bf16", "--ac", "full"),
         case("err_3d_shape", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "2",
              error="a 2 x 2 x 2 mesh (pp, dp, tp) needs 8 ranks but 4 were launched; make the product equal the "
                    "world size."),
     ],
 }
 WORLD = {2: 2, 3: 3, 4: 4, "3d": 4}  # ranks per job
-OK_CASES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if not c["expect_error"]]
+OK_CASES = [(n, c["name"]) for n, cs in CASES.items() for c in cs
+            if not c["expect_error"] and not c["name"].startswith("bf16_")]  # fp32: parity to 1e-5
+BF16_CASES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if c["name"].startswith("bf16_")]
 ERR_CASES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if c["expect_error"]]
 BAD_LAUNCH = [TWO_D, "--model", "debug", "--dp", "3", "--tp", "2", "--steps", "2", "--data", "synthetic", "--device", "cpu"]
 
@@ -177,6 +194,21 @@ def test_parity_with_single_process(runs, n, name):
     # none is further apart than two Adam trajectories can get (adam_drift_bound).
     assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
     assert r["weight_max_abs_diff"] <= adam_drift_bound(), r["weight_max_abs_diff"]
+
+
+@pytest.mark.parametrize("n,name", BF16_CASES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in BF16_CASES])
+def test_bf16_matches_the_one_device_bf16_run(runs, n, name):
+    r = result(runs, n, name)
+    assert r["exit_code"] == 0, r["stderr_tail"]
+    check_bf16_parity(name, r["losses"], r["ref_bf16_losses"], r["ref_losses"])
+    assert r["summary"]["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])
+def test_activation_checkpointing_changes_no_loss(runs, ac, plain):
+    """Recomputing the dropped activations repeats the very fp32 ops: the losses of AC off."""
+    got, want = result(runs, 2, ac)["losses"], result(runs, 2, plain)["losses"]
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
 
 
 def adam_drift_bound(steps=STEPS, lr=3e-3, warmup=10, betas=(0.9, 0.95)) -> float:

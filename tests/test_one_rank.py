@@ -24,18 +24,19 @@ TIMEOUT_S = 240  # a hang detector: both launches take about 40 s on an idle 2-c
 FLAGS = ["--model", "debug", "--steps", "4", "--seq-len", "32", "--global-batch-size", "4", "--data", "synthetic",
          "--eval-batches", "0", "--no-trace-memory", "--device", "cpu"]
 S3 = "step3_multi_gpu/"
+FP32 = ["--amp", "off"]  # step 3's default is bf16; step 1 is the fp32 baseline
 RUNS = {
     "step1": ("step1_single_gpu/train.py", []),
-    "ddp": (S3 + "train_ddp.py", []),
-    "zero1": (S3 + "train_ddp.py", ["--zero1"]),
-    "fsdp": (S3 + "train_fsdp.py", []),
-    "fsdp_zero2_accum": (S3 + "train_fsdp.py", ["--no-reshard-after-forward", "--grad-accum-steps", "2"]),
-    "tp": (S3 + "train_tp.py", []),
-    "tp_sp": (S3 + "train_tp.py", ["--sequence-parallel"]),
-    "pp_1f1b": (S3 + "train_pp.py", ["--schedule", "1f1b"]),
-    "pp_gpipe": (S3 + "train_pp.py", ["--schedule", "gpipe"]),
-    "2d": (S3 + "train_2d.py", []),  # default degrees at one rank: 1 x 1
-    "3d": (S3 + "train_3d.py", []),  # 1 x 1 x 1
+    "ddp": (S3 + "train_ddp.py", FP32),
+    "zero1": (S3 + "train_ddp.py", FP32 + ["--zero1"]),
+    "fsdp": (S3 + "train_fsdp.py", FP32),
+    "fsdp_zero2_accum": (S3 + "train_fsdp.py", FP32 + ["--no-reshard-after-forward", "--grad-accum-steps", "2"]),
+    "tp": (S3 + "train_tp.py", FP32),
+    "tp_sp": (S3 + "train_tp.py", FP32 + ["--sequence-parallel"]),
+    "pp_1f1b": (S3 + "train_pp.py", FP32 + ["--schedule", "1f1b"]),
+    "pp_gpipe": (S3 + "train_pp.py", FP32 + ["--schedule", "gpipe"]),
+    "2d": (S3 + "train_2d.py", FP32),  # default degrees at one rank: 1 x 1
+    "3d": (S3 + "train_3d.py", FP32),  # 1 x 1 x 1
 }
 
 

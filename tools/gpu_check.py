@@ -59,6 +59,7 @@ class Check:
                                      # minute a model on a small CPU; nor the 1b runs, the same scripts)
 
 
+FP32 = ["--amp", "off"]
 CHECKS = [
     Check("01_baseline", "step1_single_gpu/train.py", figure="01_memory_trace_baseline"),
     Check("02_amp", S2 + "train_amp.py", ["--amp", "bf16"], figure="02_memory_trace_amp"),
@@ -77,17 +78,24 @@ CHECKS = [
     Check("1b_amp_sac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective"], scale="1b", toy=False),
     Check("1b_amp_ac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full"], scale="1b", toy=False),
     Check("1b_amp_compile", S2 + "train_amp.py", ["--amp", "bf16", "--compile", "--no-trace-memory"], scale="1b", toy=False),
-    Check("03_ddp", S3 + "train_ddp.py", all_gpus=True, figure="03_memory_trace_ddp"),
-    Check("03_zero1", S3 + "train_ddp.py", ["--zero1"], all_gpus=True, figure="03_memory_trace_zero1"),
-    Check("03_fsdp", S3 + "train_fsdp.py", all_gpus=True, figure="03_memory_trace_fsdp"),
-    Check("03_fsdp_bf16_ac", S3 + "train_fsdp.py", ["--mixed-precision", "--activation-checkpointing"],
-          all_gpus=True, figure="03_memory_trace_fsdp_bf16_ac"),
-    Check("03_tp", S3 + "train_tp.py", all_gpus=True, figure="03_memory_trace_tp"),
-    Check("03_tp_sp", S3 + "train_tp.py", ["--sequence-parallel"], all_gpus=True),
-    Check("03_pp", S3 + "train_pp.py", ["--schedule", "1f1b", "--microbatches", "4"], all_gpus=True,
+    # Step 3 in fp32 (--amp off): at one rank each must train exactly what step 1 trains.
+    Check("03_ddp", S3 + "train_ddp.py", FP32, all_gpus=True, figure="03_memory_trace_ddp"),
+    Check("03_zero1", S3 + "train_ddp.py", FP32 + ["--zero1"], all_gpus=True, figure="03_memory_trace_zero1"),
+    Check("03_fsdp", S3 + "train_fsdp.py", FP32, all_gpus=True, figure="03_memory_trace_fsdp"),
+    Check("03_tp", S3 + "train_tp.py", FP32, all_gpus=True, figure="03_memory_trace_tp"),
+    Check("03_tp_sp", S3 + "train_tp.py", FP32 + ["--sequence-parallel"], all_gpus=True),
+    Check("03_pp", S3 + "train_pp.py", FP32 + ["--schedule", "1f1b", "--microbatches", "4"], all_gpus=True,
           figure="03_memory_trace_pp"),
-    Check("03_2d", S3 + "train_2d.py", all_gpus=True, figure="03_memory_trace_2d"),
-    Check("03_3d", S3 + "train_3d.py", all_gpus=True),
+    Check("03_2d", S3 + "train_2d.py", FP32, all_gpus=True, figure="03_memory_trace_2d"),
+    Check("03_3d", S3 + "train_3d.py", FP32, all_gpus=True),
+    # ... and as a GPU user trains: bf16 (each strategy's mechanism), full AC, compiled.
+    Check("03_fsdp_bf16_ac", S3 + "train_fsdp.py", ["--amp", "bf16", "--ac", "full"],
+          all_gpus=True, figure="03_memory_trace_fsdp_bf16_ac"),
+    *[Check(f"03_{name}_bf16_ac_compile", S3 + script, ["--amp", "bf16", "--ac", "full", "--compile", *extra],
+            all_gpus=True, toy=False)
+      for name, script, extra in [("ddp", "train_ddp.py", []), ("fsdp", "train_fsdp.py", []), ("tp", "train_tp.py", []),
+                                  ("pp", "train_pp.py", ["--schedule", "1f1b", "--microbatches", "4"]),
+                                  ("2d", "train_2d.py", [])]],
 ]
 
 

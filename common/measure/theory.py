@@ -221,7 +221,7 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
 
 
 def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
-                      bytes_per_el: int = 4) -> dict[str, int]:
+                      bytes_per_el: int = 4, embedding_bytes_per_el: int | None = None) -> dict[str, int]:
     """The activation traffic of common/parallelize/tp.py:apply_tp, logical bytes per step.
 
     Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
@@ -238,12 +238,17 @@ def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_paral
     Small extras not counted here: with SP the norm gains' gradients (all-reduced, 4 bytes
     x dim each); loss parallelism's per-token statistics (the byte counter does not see
     collectives issued inside DTensor's own operator implementations).
+
+    ``bytes_per_el``: the compute dtype's (2 under bf16). ``embedding_bytes_per_el``: the
+    embedding's output, which autocast leaves in fp32 (an embedding is a lookup, not a
+    matmul) while FSDP's bf16 parameters make it bf16 (default: ``bytes_per_el``).
     """
-    act = batch * seq_len * cfg.dim * bytes_per_el
-    n = 4 * cfg.n_layers + 2
+    tokens = batch * seq_len * cfg.dim
+    first = tokens * (embedding_bytes_per_el or bytes_per_el)
+    total = (4 * cfg.n_layers + 1) * tokens * bytes_per_el + first
     if sequence_parallel:
-        return {"all_gather": n * act, "reduce_scatter": n * act}
-    return {"all_reduce": n * act}
+        return {"all_gather": total, "reduce_scatter": total}
+    return {"all_reduce": total}
 
 
 def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank: int, loops: int = 1,
@@ -410,11 +415,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.tp > 1:
         stage_cfg = replace(cfg, n_layers=n_layers)
         for k, v in tp_bytes_per_step(stage_cfg, plan.batch // plan.dp, plan.seq_len, plan.sequence_parallel,
-                                      DTYPE_BYTES[plan.dtype]).items():
+                                      DTYPE_BYTES[plan.dtype], None if fsdp else 4).items():
             comm[k] = comm.get(k, 0) + v
     if plan.pp > 1:
-        comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops,
-                                  DTYPE_BYTES[plan.dtype])
+        # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
+        comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops)
     out["comm"] = comm
     return out
 

@@ -38,8 +38,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
         # A tensor-parallel model with a data-parallel degree of 1 (2-D/3-D): nothing to
         # shard, and on torch 2.13 a 2-D DTensor whose FSDP dimension has one rank fails in
         # gloo's scatter. A plain model on one rank is still wrapped, so that the FSDP
-        # script's calls (set_requires_gradient_sync, ...) work at world size 1.
-        return model
+        # script's calls (set_requires_gradient_sync, ...) work at world size 1. Without
+        # FSDP's policy, autocast keeps the promise of param_dtype (bf16 compute).
+        from common.training import autocast_forward
+        return autocast_forward(model, mesh.device_type, param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     layers = model.layers.values() if getattr(model, "layers", None) is not None else []

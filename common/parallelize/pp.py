@@ -49,6 +49,14 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
                         f"micro-batches; use a multiple of {microbatches}.")
 
 
+def check_no_accum(args):
+    """A pipeline's micro-batches already are gradient accumulation (each one's backward adds
+    into the same gradients before one optimizer step): --grad-accum would only repeat it."""
+    if args.grad_accum != 1:
+        raise UserError(f"--grad-accum {args.grad_accum}: a pipeline already accumulates gradients over its "
+                        f"micro-batches; raise --microbatches instead (now {args.microbatches}).")
+
+
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0, parallelize=None) -> Transformer:
     """The part of the model that pipeline stage ``stage`` owns, with the full model's weights.
 

@@ -34,7 +34,7 @@ from common.parallelize.fsdp import apply_fsdp  # noqa: E402
 COMMON = ["--model", "debug", "--seq-len", "32", "--steps", "4", "--eval-batches", "0", "--device", "cpu",
           "--trace-start", "2", "--trace-steps", "1", "--data", "synthetic",
           "--max-norm", "0.5"]  # small enough that every step clips
-SCRIPTS = {"step1": "step1_single_gpu/train.py", "ddp": "step3_multi_gpu/train_ddp.py",
+SCRIPTS = {"step1": "step1_single_gpu/train.py", "step2_amp": "step2_memory/train_amp.py", "ddp": "step3_multi_gpu/train_ddp.py",
            "fsdp": "step3_multi_gpu/train_fsdp.py", "tp": "step3_multi_gpu/train_tp.py",
            "pp": "step3_multi_gpu/train_pp.py", "2d": "step3_multi_gpu/train_2d.py",
            "3d": "step3_multi_gpu/train_3d.py"}
@@ -98,7 +98,7 @@ def main(out_json: str, plan: str):
                  "figure": (out / "memory_trace.png").exists()}
         if code == 0 and rank == 0:
             weights = torch.load(out / "weights.pt")
-            if name == "reference":
+            if name == "reference":  # the fp32 one; reference_bf16 is only compared by its losses
                 reference = weights
             elif reference is not None:
                 entry["weights"] = weight_diff(weights, reference)

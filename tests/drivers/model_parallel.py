@@ -33,8 +33,8 @@ from common.training import adamw, clip_grad_norm, lr_schedule  # noqa: E402
 RANK = int(os.environ["RANK"])
 
 
-def reference(flags: list[str]) -> dict:
-    """The single-process fp32 run (step 1's loop) with the same shared flags."""
+def reference(flags: list[str], amp: str = "off") -> dict:
+    """The single-process run (step 1's loop; step 2's autocast with ``amp`` bf16) with the same shared flags."""
     args = cli.parse(cli.parser(None), [f for f in flags if f != "--save-weights"] + ["--no-trace-memory"])
     corpus = load_corpus(args.data, seed=args.seed)
     batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
@@ -44,7 +44,8 @@ def reference(flags: list[str]) -> dict:
     losses, norms = [], []
     for _ in range(args.steps):
         x, y = next(batches)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         norms.append(clip_grad_norm(model.parameters(), args.max_norm).item())
         optimizer.step()
@@ -56,6 +57,12 @@ def reference(flags: list[str]) -> dict:
 
 SHARED = {"--model", "--n-layers", "--steps", "--global-batch-size", "--seq-len", "--lr", "--warmup-steps",
           "--seed", "--data", "--max-norm"}
+
+
+def last_value(flags: list[str], name: str, default: str) -> str:
+    """A flag's value as argparse reads it: the last one given wins."""
+    values = [b for a, b in zip(flags, flags[1:]) if a == name]
+    return values[-1] if values else default
 
 
 def shared_flags(flags: list[str]) -> list[str]:
@@ -76,10 +83,15 @@ def main():
         code, err = run_script(case["script"], flags, capture_stderr=True)
         res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0}
         if RANK == 0 and code == 0 and not case.get("expect_error"):
+            amp = last_value(case["flags"], "--amp", "bf16")  # step 3's default
             key = json.dumps(shared_flags(case["flags"]))
             if key not in refs:
                 refs[key] = reference(shared_flags(case["flags"]))
             ref = refs[key]
+            if amp == "bf16":  # the one-device bf16 run, beside the fp32 one
+                if key + "bf16" not in refs:
+                    refs[key + "bf16"] = reference(shared_flags(case["flags"]), "bf16")
+                res["ref_bf16_losses"] = refs[key + "bf16"]["losses"]
             rows = [json.loads(line) for line in (case_out / "metrics.jsonl").read_text().splitlines()]
             res["losses"] = [r["loss"] for r in rows]
             res["ref_losses"] = ref["losses"]
