@@ -48,8 +48,8 @@ class Run:
         dtype = dtype or getattr(args, "compute_dtype", "fp32")
         self.strategy = strategy
         self.title = ", ".join(filter(None, [title, cli.saver_label(args)]))
-        self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "accum": getattr(args, "grad_accum", 1),
-                        **(predict or {})}
+        self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "ac_every": getattr(args, "ac_every", 1),
+                        "accum": getattr(args, "grad_accum", 1), **(predict or {})}
         self.parallel = parallel or {"dp": ctx.world_size}
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         script = Path(sys.argv[0])

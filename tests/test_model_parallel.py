@@ -62,6 +62,7 @@ CASES = {
         case("tp2_accum", TP, "--model", "debug", "--grad-accum", "2"),
         case("pp2_ac", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--ac", "selective"),
         case("bf16_tp2", TP, "--model", "debug", "--amp", "bf16"),
+        case("bf16_tp2_sp_ac", TP, "--model", "debug", "--amp", "bf16", "--sequence-parallel", "--ac", "selective"),
         case("bf16_pp2", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--amp", "bf16"),
         case("err_pp_accum", PP, "--model", "debug", "--grad-accum", "2",
              error="--grad-accum 2: a pipeline already accumulates gradients over its micro-batches; raise "
@@ -202,6 +203,21 @@ def test_bf16_matches_the_one_device_bf16_run(runs, n, name):
     assert r["exit_code"] == 0, r["stderr_tail"]
     check_bf16_parity(name, r["losses"], r["ref_bf16_losses"], r["ref_losses"])
     assert r["summary"]["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("n,name", [(2, "bf16_tp2"), (2, "bf16_tp2_sp_ac"), (2, "bf16_pp2"), (4, "bf16_2d")])
+def test_bf16_bytes_are_the_formula(runs, n, name):
+    """theory.predict in bf16: TP's activations in bf16 but the embedding's output in fp32
+    under autocast (bf16 under FSDP's policy, 2-D); PP's residual stream in fp32; under AC
+    (bf16_2d) each block's attention all-reduce once more, in the recomputed forward, and
+    with SP (bf16_tp2_sp_ac) its two all-gathers and one reduce-scatter."""
+    summary = result(runs, n, name)["summary"]
+    for predicted, measured in zip(summary["predicted"]["per_rank"], summary["comm"]):
+        got = {k: v["bytes"] for k, v in measured.items() if k != "all_reduce (grad norm)"}
+        assert got == {k: v for k, v in predicted["comm"].items() if k != "all_reduce (grad norm)"}, predicted["rank"]
+    if name == "bf16_tp2":
+        act = BATCH * SEQ * get_config("debug").dim
+        assert got["all_reduce"] == (4 * 4 + 1) * 2 * act + 4 * act
 
 
 @pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])

@@ -221,7 +221,8 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
 
 
 def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
-                      bytes_per_el: int = 4, embedding_bytes_per_el: int | None = None) -> dict[str, int]:
+                      bytes_per_el: int = 4, embedding_bytes_per_el: int | None = None,
+                      recomputed_blocks: int = 0) -> dict[str, int]:
     """The activation traffic of common/parallelize/tp.py:apply_tp, logical bytes per step.
 
     Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
@@ -242,13 +243,20 @@ def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_paral
     ``bytes_per_el``: the compute dtype's (2 under bf16). ``embedding_bytes_per_el``: the
     embedding's output, which autocast leaves in fp32 (an embedding is a lookup, not a
     matmul) while FSDP's bf16 parameters make it bf16 (default: ``bytes_per_el``).
+
+    ``recomputed_blocks``: blocks under activation checkpointing (full or selective) run
+    their forward again in backward, collectives included, up to the last tensor backward
+    needs: the attention's all-reduce (after wo) but not the MLP's, whose output nothing
+    saves; with SP both all-gathers (before attention and MLP) and the reduce-scatter
+    after wo. Measured: exactly these, for both AC modes.
     """
     tokens = batch * seq_len * cfg.dim
     first = tokens * (embedding_bytes_per_el or bytes_per_el)
     total = (4 * cfg.n_layers + 1) * tokens * bytes_per_el + first
+    again = recomputed_blocks * tokens * bytes_per_el
     if sequence_parallel:
-        return {"all_gather": total, "reduce_scatter": total}
-    return {"all_reduce": total}
+        return {"all_gather": total + 2 * again, "reduce_scatter": total + again}
+    return {"all_reduce": total + again}
 
 
 def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank: int, loops: int = 1,
@@ -301,6 +309,11 @@ def amp_weight_copies(shapes: dict) -> int:
                and not k.startswith("tok_embeddings"))
 
 
+def checkpointed_blocks(n_layers: int, ac: str, every: int = 1) -> int:
+    """How many of ``n_layers`` blocks apply_ac checkpoints (blocks 0, k, 2k, ...)."""
+    return 0 if ac == "none" else -(-n_layers // every)
+
+
 # ---- a whole configuration ---------------------------------------------------------------------
 @dataclass
 class Plan:
@@ -321,6 +334,7 @@ class Plan:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     notes: list = field(default_factory=list)
+    ac_every: int = 1                 # --ac-every: every k-th block checkpointed
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
@@ -376,7 +390,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     tokens = seqs * plan.seq_len
     in_flight = 1 if plan.pp == 1 else m if plan.schedule == "gpipe" else min(m, plan.pp - stage + (loops - 1) * plan.pp)
     n_layers = sum(1 for k in shapes if k.endswith("attention_norm.weight"))
-    act = n_layers * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
+    checkpointed = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)  # the others keep everything
+    act = (checkpointed * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
+           + (n_layers - checkpointed) * layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp,
+                                                                plan.sequence_parallel))
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
     act *= in_flight
@@ -415,7 +432,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.tp > 1:
         stage_cfg = replace(cfg, n_layers=n_layers)
         for k, v in tp_bytes_per_step(stage_cfg, plan.batch // plan.dp, plan.seq_len, plan.sequence_parallel,
-                                      DTYPE_BYTES[plan.dtype], None if fsdp else 4).items():
+                                      # the embedding's output: bf16 only where FSDP's policy casts the
+                                      # parameters (dp > 1; apply_fsdp falls back to autocast otherwise)
+                                      DTYPE_BYTES[plan.dtype], None if fsdp and plan.dp > 1 else 4,
+                                      checkpointed).items():
             comm[k] = comm.get(k, 0) + v
     if plan.pp > 1:
         # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
