@@ -116,7 +116,7 @@ def write_chapter3a_table(suffix: str = "") -> dict[str, str]:
 
 # ---- chapter 3b: the model-parallel family ----------------------------------------------------
 _LABELS = {
-    "single": "one device (step 1)",
+    "single": "one device (step 1, fp32)",
     "tp": "TP {tp}", "tp_sp": "TP {tp} + sequence parallel", "pp_gpipe": "PP {pp}, GPipe",
     "pp_1f1b": "PP {pp}, 1F1B", "pp_interleaved": "PP {pp}, interleaved 1F1B (2 stages/rank)",
     "2d": "2-D: FSDP {dp} x TP {tp}", "fsdp_via_2d": "FSDP {dp} (train_2d.py --tp 1)", "ddp": "DDP {dp}",
@@ -168,7 +168,9 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     n = s["n_params"]
     world = s["world_size"]
     assert n == count_params(ModelConfig(**cfg))
-    lines += ["", f"Measured on {s['device_name']} ({s['backend']}), {world} ranks, fp32: the {s['model']} preset with "
+    ac = (s.get("predicted") or {}).get("ac", "none")
+    how = s.get("dtype", "fp32") + ("" if ac == "none" else f" + {ac} activation checkpointing")
+    lines += ["", f"Measured on {s['device_name']} ({s['backend']}), {world} ranks, {how}: the {s['model']} preset with "
               f"{cfg['n_layers']} layers (N = {n:,} parameters, {fmt_bytes(4 * n)} of fp32 weights), global batch "
               f"{s['global_batch_size']} x {s['seq_len']} tokens. Memory: the tracer's peak per category "
               f"(a range where the ranks differ). Bytes: per optimizer step, as common/measure/comm.py counts them; "

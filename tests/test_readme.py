@@ -40,8 +40,8 @@ NOT_CHECKED = {
 RUN = [
     "python step1_single_gpu/train.py --model small --steps 30",
     "python step2_memory/train_amp_ac.py --ac selective",
-    "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1",
-    "torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --mixed-precision --activation-checkpointing",
+    "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --amp off --zero1",
+    "torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --ac full",
 ]
 
 

@@ -474,3 +474,15 @@ def test_fp16_with_checkpoints_is_refused(monkeypatch, tmp_path, capsys):
         run_main(monkeypatch, "train_amp", tmp_path, "--amp", "fp16", "--ckpt-every", "2")
     assert e.value.code == 2
     assert "--amp fp16 cannot be checkpointed" in capsys.readouterr().err
+
+
+def test_throughput_benchmark_prints_both_and_the_overhead(capsys):
+    import math
+    """tools/bench_throughput.py at the debug scale: both loops run, the ratio is a number."""
+    from tools.bench_throughput import main
+    got = main(["--scale", "debug", "--steps", "2", "--device", "cpu", "--no-compile"])
+    out = capsys.readouterr().out
+    assert got["bare_tokens_per_s"] > 0 and got["script_tokens_per_s"] > 0
+    assert math.isfinite(got["overhead"]) and got["overhead"] > -0.9
+    for line in ("bare loop", "our script", "overhead", "MFU"):
+        assert line in out, line

@@ -65,7 +65,9 @@ _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "0
                "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
 
 # ---- chapter 3a: the data-parallel family ---------------------------------------------
-_3A = ["--model", "small", "--steps", "6", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "2"]
+# fp32 (--amp off, step 3 defaults to bf16): the 16 bytes per parameter, and the formulas' bytes, read plainly
+_3A = ["--model", "small", "--steps", "6", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "2",
+       "--amp", "off"]
 _DP4 = dict(nproc=4, job="4_ranks_data_parallel")  # chapters 3a, 4 and 5: no DTensor meshes but FSDP's
 CHAPTER3A: list[Run] = [
     Run("3a_ddp", "step3_multi_gpu/train_ddp.py", _3A, **_DP4,
@@ -78,7 +80,7 @@ CHAPTER3A: list[Run] = [
         figures={"03_memory_trace_fsdp.png": "memory_trace.png"}),
     Run("3a_hsdp", "step3_multi_gpu/train_fsdp.py", _3A + ["--hsdp", "2", "2"], **_DP4,
         figures={"03_memory_trace_hsdp.png": "memory_trace.png"}),
-    Run("3a_fsdp_bf16_ac", "step3_multi_gpu/train_fsdp.py", _3A + ["--mixed-precision", "--activation-checkpointing"],
+    Run("3a_fsdp_bf16_ac", "step3_multi_gpu/train_fsdp.py", _3A + ["--amp", "bf16", "--ac", "full"],
         **_DP4, figures={"03_memory_trace_fsdp_bf16_ac.png": "memory_trace.png"}),
 ]
 
@@ -87,14 +89,19 @@ CHAPTER3A: list[Run] = [
 # with like. 8 layers: the interleaved schedule needs two stages per rank. Their own job:
 # DTensor meshes of one job can meet a stale cached group (tools/multirun.py).
 _3B = ["--model", "small", "--n-layers", "8", "--global-batch-size", "8", "--seq-len", "64", "--steps", "5",
-       "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "1"]  # one step: a readable figure
+       "--eval-batches", "1", "--trace-start", "2", "--trace-steps", "1",  # one step: a readable figure
+       "--amp", "off"]
 _TP, _PP, _2D = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py", "step3_multi_gpu/train_2d.py"
 _MP4 = dict(nproc=4, job="4_ranks_model_parallel")
 _CLIP = ["--model", "small", "--n-layers", "4", "--global-batch-size", "8", "--seq-len", "64", "--steps", "8",
-         "--eval-batches", "0", "--no-trace-memory", "--max-norm", "0.5"]
+         "--eval-batches", "0", "--no-trace-memory", "--max-norm", "0.5", "--amp", "off"]
 STRATEGIES = "03_strategies/"  # the folder of the runs the chapter 3b table and the comparison read
+BF16_AC = "03_bf16_ac/"  # the same strategies in bf16 with full activation checkpointing
+_BF16_AC_RUNS = [("ddp", "step3_multi_gpu/train_ddp.py", []), ("fsdp", "step3_multi_gpu/train_fsdp.py", []),
+                 ("tp", _TP, []), ("pp_1f1b", _PP, ["--schedule", "1f1b", "--microbatches", "8"]),
+                 ("2d", _2D, ["--tp", "2"])]
 CHAPTER3B: list[Run] = [
-    Run("03_single", "step1_single_gpu/train.py", _3B, figures={"03_memory_trace_single.png": "memory_trace.png"}),
+    Run("03_single", "step1_single_gpu/train.py", [f for f in _3B if f not in ("--amp", "off")], figures={"03_memory_trace_single.png": "memory_trace.png"}),
     Run(STRATEGIES + "tp", _TP, _3B, **_MP4, figures={"03_memory_trace_tp.png": "memory_trace.png"}),
     Run(STRATEGIES + "tp_sp", _TP, _3B + ["--sequence-parallel"], **_MP4,
         figures={"03_memory_trace_tp_sp.png": "memory_trace.png"}),
@@ -113,7 +120,10 @@ CHAPTER3B: list[Run] = [
       for name, script, extra in (("fsdp", "step3_multi_gpu/train_fsdp.py", []), ("tp", _TP, []),
                                   ("pp", _PP, ["--microbatches", "4"]))
       for how in ("global", "local")],
-    Run("03_clip/single", "step1_single_gpu/train.py", _CLIP),
+    Run("03_clip/single", "step1_single_gpu/train.py", [f for f in _CLIP if f not in ("--amp", "off")]),
+    # As a GPU user trains: the defaults (bf16, each strategy's way) plus full AC, same model and batch
+    *[Run(BF16_AC + name, script, _3B + ["--amp", "bf16", "--ac", "full"] + extra, **_MP4)
+      for name, script, extra in _BF16_AC_RUNS],
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
@@ -135,7 +145,7 @@ CHAPTER4 = [
 
 # ---- chapter 5: surviving faults (README: survive faults); the table reads the checkpoints
 _5 = ["--model", "small", "--steps", "4", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "0",
-      "--no-trace-memory", "--ckpt-every", "2"]
+      "--no-trace-memory", "--ckpt-every", "2", "--amp", "off"]
 CHAPTER5 = [
     Run("05_ddp4", "step3_multi_gpu/train_ddp.py", _5, **_DP4),
     Run("05_zero1_4", "step3_multi_gpu/train_ddp.py", _5 + ["--zero1"], **_DP4),
@@ -282,6 +292,27 @@ def chapter3_compare(suffix: str = "") -> dict[str, str]:
     return {"table-03-compare" + suffix: md}
 
 
+def chapter3_bf16_ac(suffix: str = "") -> dict[str, str]:
+    """The bf16 + full AC runs of every strategy: their table (beside the fp32 one of
+    chapter 3b) and their memory timelines on one scale, figs/03_memory_compare_bf16_ac.png."""
+    from step3_multi_gpu.tables import chapter3b_table as table
+    from tools.compare import compare
+
+    names = [name for name, _, _ in _BF16_AC_RUNS]
+    have = [n for n in names if (run_dir(BF16_AC + n, suffix) / "summary.json").exists()]
+    if len(have) < 2:
+        print("skipped the bf16 + AC table: fewer than two of its runs exist", flush=True)
+        return {}
+    md = table(run_dir(BF16_AC, suffix), have, single=run_dir("03_single", suffix))
+    labels = {"ddp": "DDP", "fsdp": "FSDP (ZeRO-3)", "tp": "TP", "pp_1f1b": "PP (1F1B)", "2d": "2-D (FSDP x TP)"}
+    out = run_dir("03_compare_bf16_ac", suffix)
+    compare([run_dir(BF16_AC + n, suffix) for n in have], [labels[n] + ", bf16 + AC" for n in have], out, title=None)
+    shutil.copyfile(out / "memory_timelines.png", ROOT / "figs" / f"03_memory_compare_bf16_ac{suffix}.png")
+    (ROOT / "figs" / f"03_bf16_ac_table{suffix}.md").write_text(md + "\n")
+    print(f"wrote figs/03_memory_compare_bf16_ac{suffix}.png and figs/03_bf16_ac_table{suffix}.md", flush=True)
+    return {"table-03-bf16-ac" + suffix: md}
+
+
 def _md_table(text: str, header: str) -> list[str]:
     """The lines of the markdown table in ``text`` whose header row starts with ``header``."""
     lines = text.splitlines()
@@ -370,7 +401,7 @@ from step4_multi_node.tables import write_faults_table  # noqa: E402
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
-              ("03", chapter3_compare), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
+              ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report)]
 
 

@@ -1,0 +1,143 @@
+"""What does the harness cost? Our training script against a bare loop, side by side.
+
+    python -m tools.bench_throughput                     # on a GPU: 125m at 12 x 1024, bf16 + compile
+    python -m tools.bench_throughput --scale 1b          # 1b at 4 x 2048
+    python -m tools.bench_throughput --scale toy         # the CPU default: small, 8 x 128, eager
+
+The bare loop is the least a training step can be: the same model, batch, dtype, AdamW
+and compile, one fixed batch already on the device, no progress bar, no metrics, no
+checks. The script is step2_memory/train_amp.py as a learner runs it (real data, the
+bar, metrics.jsonl, the NaN checks), with --no-trace-memory and no held-out evaluation.
+The two run in turns in this process (bare, script, bare) and each keeps its best
+(noise only ever adds time). Printed: tokens/s of each, the script's overhead over the
+bare loop, and MFU (6N + 12 L d T FLOPs a token against the device's dense bf16 peak)
+where the device's peak is known; on a CPU, the ratio only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import ROOT
+from common.errors import UserError, main_guard
+from common.measure.metrics import peak_flops
+from common.model import flops_per_token
+from common.model import build_model, get_config  # noqa: E402
+from common.training import adamw
+
+SCALES = {  # (model, batch, seq_len): issue 17's two GPU set-ups, and one a CPU runs in seconds
+    "125m": ("125m", 12, 1024),
+    "1b": ("1b", 4, 2048),
+    "toy": ("small", 8, 128),
+    "debug": ("debug", 4, 32),  # the test suite's: seconds, numbers meaningless
+}
+
+
+def bare_loop(cfg, batch: int, seq_len: int, device, amp: bool, compile: bool, steps: int) -> float:
+    """Tokens/s of the least a step can be (after 3 warm-up steps, compile's included)."""
+    model = build_model(cfg, device, seed=0)
+    if compile:
+        model.compile()
+    optimizer = adamw(model.parameters(), argparse.Namespace(lr=1e-4))
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    y = torch.roll(x, -1, dims=1)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return steps * batch * seq_len / (time.perf_counter() - t0)
+
+
+def script(model: str, batch: int, seq_len: int, device, amp: bool, compile: bool, steps: int) -> float:
+    """Tokens/s of step2_memory/train_amp.py (its own mean over the steps after the first)."""
+    from tools.multirun import run_script
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--model", model, "--global-batch-size", str(batch), "--seq-len", str(seq_len),
+                "--steps", str(steps + 3), "--warmup-steps", "2", "--amp", "bf16" if amp else "off",
+                "--no-trace-memory", "--eval-batches", "0", "--device", device.type, "--out", out]
+        with contextlib.redirect_stdout(io.StringIO()):  # its summary: the table below says it
+            code, err = run_script("step2_memory/train_amp.py", argv + (["--compile"] if compile else []),
+                                   capture_stderr=True)
+        if code:
+            raise UserError(f"step2_memory/train_amp.py failed (exit {code}): {err.strip()[-500:]}")
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = rows[3:]  # as the bare loop: after 3 warm-up steps (compile's among them)
+    return len(rows) / sum(1 / r["tokens_per_s"] for r in rows)  # total tokens over total time
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@main_guard
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--scale", choices=sorted(SCALES), default=None,
+                   help="125m (12 x 1024) or 1b (4 x 2048) on a GPU; toy (small, 8 x 128) on a CPU (default: by device)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--steps", type=int, default=None, help="timed steps of each (default: 20 on a GPU, 5 on a CPU)")
+    p.add_argument("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast (default) or fp32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile both (default: on a GPU, off on a CPU, where Inductor takes minutes)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (ratios only).")
+    gpu = device.type == "cuda"
+    scale = args.scale or ("125m" if gpu else "toy")
+    steps = args.steps if args.steps is not None else (20 if gpu else 5)
+    if steps <= 0:
+        raise UserError(f"--steps must be positive (got {steps}).")
+    compile = gpu if args.compile is None else args.compile
+    model, batch, seq_len = SCALES[scale]
+    cfg = get_config(model)
+    amp = args.amp == "bf16"
+    what = f"{model}, batch {batch} x {seq_len}, {args.amp}{' + compile' if compile else ''}, {device.type}"
+    print(f"bench_throughput: {what}, {steps} timed steps each, in turns: bare, script, bare", flush=True)
+    bare = max(bare_loop(cfg, batch, seq_len, device, amp, compile, steps),
+               bare_loop(cfg, batch, seq_len, device, amp, compile, steps))
+    ours = script(model, batch, seq_len, device, amp, compile, steps)
+    overhead = bare / ours - 1
+    peak, name = peak_flops(device, args.amp if amp else "fp32")
+    per_token = flops_per_token(cfg, seq_len)
+    lines = [f"  device          {name}",
+             f"  bare loop       {bare:,.0f} tokens/s",
+             f"  our script      {ours:,.0f} tokens/s",
+             f"  overhead        {100 * overhead:+.1f}% (the script's step time over the bare loop's, minus 1)"]
+    if peak:
+        lines += [f"  MFU             bare {bare * per_token / peak:.1%}, script {ours * per_token / peak:.1%} "
+                  f"({per_token / 1e9:.2f} GFLOP a token against {peak / 1e12:,.0f} TFLOP/s)"]
+    else:
+        lines += ["  MFU             n/a (no known peak for this device: the ratio above is the number to read)"]
+    print("\n".join(lines), flush=True)
+    return {"bare_tokens_per_s": bare, "script_tokens_per_s": ours, "overhead": overhead}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
