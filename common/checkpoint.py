@@ -249,6 +249,8 @@ class Checkpointer:
     # ---- called once per step by the training loop ---------------------------------------
     def end_step(self, step: int, loss: float, grad_norm: float | None = None):
         """After an optimizer step: stop on a non-finite loss or gradient norm, save, inject a test fault."""
+        if getattr(self.ctx, "fake", False):
+            return  # a dry run: its numbers are built from data that never arrived
         if not math.isfinite(loss) and self.args.on_nan == "stop":
             raise UserError(f"the loss is {loss} at step {step} (rank {self.ctx.rank}); lower --lr, or pass "
                             f"--on-nan skip to skip such steps.")
@@ -316,7 +318,7 @@ def lock_out(args, ctx) -> Path | None:
         if verdict is None:
             path.write_text(f"{os.getpid()} {host}\n")
             atexit.register(unlock_out, path)
-    if dist.is_initialized() and ctx.world_size > 1:
+    if dist.is_initialized() and ctx.has_peers:
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         verdict = box[0]

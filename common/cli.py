@@ -89,6 +89,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--trace-start {args.trace_start} is past the last step ({args.steps - 1}); "
                         f"lower it, train longer, or pass --no-trace-memory.")
     checkpoint.check_flags(args)
+    check_dry_run(args)
     # The default is anchored at the repository, not the working folder: the same
     # runs/<script>/ wherever the script is started from.
     args.out = Path(args.out) if args.out else ROOT / "runs" / args.script
@@ -163,6 +164,29 @@ def add_saver_flags(p: argparse.ArgumentParser, accum_what: str = "") -> None:
     p.add_argument("--mixed-precision", dest="amp", action="store_const", const="bf16", help=argparse.SUPPRESS)
     p.add_argument("--activation-checkpointing", dest="ac", action="store_const", const="full",
                    help=argparse.SUPPRESS)
+
+
+# ---- a dry run: one rank of a larger layout, in one process ------------------------------
+def add_dry_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dry run: what one rank of a bigger layout holds, before renting it")
+    g.add_argument("--fake-world-size", type=int, default=None, metavar="N",
+                   help="run rank --fake-rank of an N-rank layout alone in this process (PyTorch's fake process "
+                        "group: collectives skipped): its real memory and bytes, meaningless losses; plain python")
+    g.add_argument("--fake-rank", type=int, default=0, metavar="R", help="the rank a dry run plays (default: 0)")
+
+
+def check_dry_run(args: argparse.Namespace) -> None:
+    """What a dry run cannot do: it has no peers to save a checkpoint with, nor real weights to keep."""
+    if getattr(args, "fake_world_size", None) is None:
+        if getattr(args, "fake_rank", 0):
+            raise UserError("--fake-rank needs --fake-world-size (the layout the rank belongs to).")
+        return
+    if args.fake_world_size < 1:
+        raise UserError(f"--fake-world-size must be positive (got {args.fake_world_size}).")
+    for flag, on in (("--ckpt-every", args.ckpt_every), ("--resume", args.resume), ("--save-weights", args.save_weights)):
+        if on:
+            raise UserError(f"{flag} cannot be used in a dry run (--fake-world-size): its weights are not trained "
+                            f"(the other ranks' parts never arrive); drop {flag}.")
 
 
 def saver_label(args: argparse.Namespace) -> str:

@@ -31,10 +31,17 @@ class Dist:
     backend: str
     launched: bool  # started by torchrun (else plain python, world size 1)
     meshes: dict = field(default_factory=dict)
+    fake: bool = False  # a dry run: one rank of a larger layout, alone (--fake-world-size)
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The rank that prints and writes the run's files: rank 0, or the one rank of a dry run."""
+        return self.rank == 0 or self.fake
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether other processes are there to talk to (a dry run's ranks are imaginary)."""
+        return self.world_size > 1 and not self.fake
 
     def print(self, *args, **kwargs):
         """print() on rank 0 only: four ranks saying the same thing is noise."""
@@ -96,14 +103,24 @@ def _restart_store(timeout: timedelta):
 
 
 @contextlib.contextmanager
-def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0):
+def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0,
+                fake_world_size: int | None = None, fake_rank: int = 0):
     """Set up this process's rank, device and process group; always tear them down.
 
     Yields a ``Dist``. Under plain ``python`` the process group has one rank (an
     in-process store instead of torchrun's rendezvous), so the same code runs. If a
     process group already exists (a harness that runs several scripts' ``main()`` in one
     job, as the tests' drivers do), the script joins it and leaves it for the harness.
+
+    ``fake_world_size``: a dry run. This one process is rank ``fake_rank`` of that many,
+    on PyTorch's fake process group: every collective returns at once without moving a
+    byte, so the rank builds its real shards, activations and optimizer state (its memory
+    is the real rank's), its byte counts are what it would send, and its losses mean
+    nothing (what it would have received is never filled in).
     """
+    if fake_world_size is not None:
+        yield from _dry_run(device, fake_world_size, fake_rank)
+        return
     if dist.is_initialized():
         local_rank = _env_int("LOCAL_RANK", 0)
         dev = resolve_device(device, local_rank, _env_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -145,6 +162,27 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
             dist.destroy_process_group()
 
 
+def _dry_run(device: str, world: int, rank: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # the fake backend registers on import
+
+    if "RANK" in os.environ or dist.is_initialized():
+        raise UserError("--fake-world-size runs one rank in one process: start it with plain python, not torchrun.")
+    if world < 1 or not 0 <= rank < world:
+        raise UserError(f"--fake-rank {rank} is not a rank of --fake-world-size {world}; use 0 to {world - 1}.")
+    dev = resolve_device(device, 0, 1)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    ctx = Dist(rank, world, 0, dev, "fake", launched=False, fake=True)
+    print(f"dry run: rank {rank} of {world} in this one process; collectives are skipped, so its memory and "
+          f"bytes are rank {rank}'s and its losses mean nothing.", flush=True)
+    try:
+        yield ctx
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def require_launcher(ctx: Dist, script: str, min_world: int = 2):
     """For the multi-rank lessons: say how to launch them instead of running alone."""
     if ctx.world_size < min_world:
@@ -154,7 +192,7 @@ def require_launcher(ctx: Dist, script: str, min_world: int = 2):
 
 def launch_hint(ctx, script: str):
     """Plain ``python`` runs these scripts as one rank (a process group of one); say so."""
-    if not ctx.launched:
+    if not ctx.launched and not ctx.fake:
         ctx.print(f"note: plain python runs a single rank; for four, launch "
                   f"torchrun --nproc-per-node 4 {script}")
 

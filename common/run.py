@@ -107,7 +107,7 @@ class Run:
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""
         mine = self.comm.summary(per=max(1, self.comm_steps))
-        if not (dist.is_initialized() and self.ctx.world_size > 1):
+        if not (dist.is_initialized() and self.ctx.has_peers):
             return [mine]
         out = [None] * self.ctx.world_size if self.ctx.is_main else None
         dist.gather_object(mine, out, dst=0)
@@ -126,10 +126,12 @@ class Run:
         predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}
+        if ctx.fake:  # one rank of the layout, alone: memory and bytes real, losses not
+            extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
         unlock_out(self.lock)
-        if not math.isfinite(self.metrics.last_loss):
+        if not math.isfinite(self.metrics.last_loss) and not ctx.fake:
             # --on-nan skip keeps a run going past bad steps; one that ends non-finite has
             # nothing usable to show for it, and must not look like a success.
             raise UserError(f"the run ended with a loss of {self.metrics.last_loss} (step {a.steps - 1}): the model is "

@@ -41,9 +41,11 @@ def main():
                    help="tensor-parallel degree, the inner mesh dimension (default: 2, or 1 on an odd world size)")
     p.add_argument("--dp", type=int, default=None, help="FSDP degree, the outer dimension (default: world size / tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")

@@ -59,11 +59,13 @@ def main():
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, the inner dimension (default: from the world size)")
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    check_no_accum(args)  # (and no dry run: see there)
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
-        check_no_accum(args)
         default_layout(args, ctx.world_size)
         if min(args.pp, args.dp, args.tp) <= 0:
             raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")

@@ -38,12 +38,14 @@ from common.training import adamw, adamw_options, clip_grad_norm, evaluate, glob
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are all-reduced after the last only")
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?

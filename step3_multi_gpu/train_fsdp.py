@@ -37,6 +37,7 @@ from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_sch
 @main_guard
 def main(argv=None):
     p = cli.parser(__doc__)
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered parameters after its forward and gather them again in "
@@ -47,7 +48,8 @@ def main(argv=None):
     p.add_argument("--cpu-offload", action="store_true",
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
     args = cli.parse(p, argv)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()

@@ -50,11 +50,13 @@ def main():
     p = cli.parser(__doc__)
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default: 4)")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    check_no_accum(args)  # (and no dry run: see there)
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
-        check_no_accum(args)
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
         corpus = load_corpus(args.data, seed=args.seed)

@@ -42,9 +42,11 @@ def main():
                    help="also split the activations between blocks (norms, residual) along the sequence")
     p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
         tp_mesh = ctx.mesh((ctx.world_size,), ("tp",))

@@ -80,7 +80,7 @@ CASES = {
              "--microbatches", "4"),
         case("pp4_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "gpipe", "--microbatches", "4",
              base=TRACED),
-        case("2d", TWO_D, "--model", "debug", "--tp", "2"),
+        case("2d", TWO_D, "--model", "debug", "--tp", "2", base=TRACED),
         case("2d_ac_accum", TWO_D, "--model", "debug", "--tp", "2", "--ac", "selective", "--grad-accum", "2"),
         case("bf16_2d", TWO_D, "--model", "debug", "--tp", "2", "--amp", "bf16", "--ac", "full"),
         case("err_tp_heads", TP, "--model", "debug",
@@ -218,6 +218,41 @@ def test_bf16_bytes_are_the_formula(runs, n, name):
     if name == "bf16_tp2":
         act = BATCH * SEQ * get_config("debug").dim
         assert got["all_reduce"] == (4 * 4 + 1) * 2 * act + 4 * act
+
+
+DRY = {(2, "tp2"): 1, (4, "tp4"): 2, (4, "2d"): 3}  # case -> the rank a dry run plays
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """The DRY cases again, each as a dry run of one rank (--fake-world-size) in one plain
+    python process; the weights are not saved (a dry run refuses --save-weights)."""
+    tmp = tmp_path_factory.mktemp("dry")
+    runs = []
+    for (n, name), rank in DRY.items():
+        c = next(c for c in CASES[n] if c["name"] == name)
+        runs.append({"name": name, "script": c["script"],
+                     "argv": [f for f in c["flags"] if f != "--save-weights"] + [
+                         "--device", "cpu", "--fake-world-size", str(WORLD[n]), "--fake-rank", str(rank),
+                         "--out", str(tmp / name)]})
+    r = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return {name: json.loads((tmp / name / "summary.json").read_text()) for (_, name) in DRY}
+
+
+@pytest.mark.parametrize("n,name", sorted(DRY, key=str), ids=[f"{WORLD[n]}ranks-{name}" for n, name in sorted(DRY, key=str)])
+def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
+    """TP and 2-D: rank R alone (--fake-world-size) holds and sends exactly what rank R of
+    the real run does, by category and by collective."""
+    rank, mine, real = DRY[(n, name)], dry[name], result(runs, n, name)["summary"]
+    assert mine["dry_run"] == {"rank": rank, "world_size": WORLD[n]}
+    (memory,) = mine["memory"]
+    assert memory["rank"] == rank
+    assert memory["before_optimizer"] == real["memory"][rank]["before_optimizer"]
+    assert memory["peak_by_category"] == real["memory"][rank]["peak_by_category"]
+    (sent,) = mine["comm"]
+    assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
 
 
 @pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])

@@ -256,6 +256,41 @@ def test_bf16_runs_match_the_one_device_bf16_run(world, request):
             assert job[name]["summary"]["dtype"] == "bf16"
 
 
+DRY = {"ddp": 1, "zero1": 3, "fsdp_zero3": 2, "hsdp": 3}  # run -> the rank a dry run plays, at 4 ranks
+
+
+@pytest.fixture(scope="module")
+def dry4(tmp_path_factory):
+    """Each DRY run again as a dry run of one rank of the 4-rank layout, in one plain python
+    process (the fake process group: tools/multirun.py runs them one after another)."""
+    from tests.drivers.dp import COMMON, SCRIPTS
+    tmp = tmp_path_factory.mktemp("dry4")
+    runs = [{"name": name, "script": SCRIPTS[PLANS[4][name][0]],
+             "argv": COMMON + PLANS[4][name][1] + ["--fake-world-size", "4", "--fake-rank", str(rank),
+                                                   "--out", str(tmp / name)]}
+            for name, rank in DRY.items()]
+    r = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("collectives are skipped") == len(DRY), r.stdout[-2000:]
+    return {name: json.loads((tmp / name / "summary.json").read_text()) for name in DRY}
+
+
+@pytest.mark.parametrize("name", sorted(DRY))
+def test_a_dry_run_holds_and_sends_what_its_rank_does(job4, dry4, name):
+    """--fake-world-size 4 --fake-rank R in one process: rank R's memory by category (model
+    state before the optimizer step, and every category's peak) and its bytes per
+    collective, exactly those of rank R in the real 4-rank run; marked as a dry run."""
+    rank, dry, real = DRY[name], dry4[name], job4[name]["summary"]
+    assert dry["dry_run"] == {"rank": rank, "world_size": 4} and dry["world_size"] == 4
+    (mine,) = dry["memory"]
+    assert mine["rank"] == rank
+    assert mine["before_optimizer"] == real["memory"][rank]["before_optimizer"]
+    assert mine["peak_by_category"] == real["memory"][rank]["peak_by_category"]
+    (sent,) = dry["comm"]
+    assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
+
+
 def test_bad_input_is_one_clear_sentence(job4):
     job = job4
     bad, accum, mesh = job["bad_batch"], job["bad_accum"], job["bad_hsdp"]
@@ -285,3 +320,40 @@ def test_plain_python_runs_one_rank_and_says_how_to_launch(tmp_path):
     assert ("note: plain python runs a single rank; for four, launch torchrun --nproc-per-node 4 "
             "step3_multi_gpu/train_ddp.py") in r.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.parametrize("script,flags,sentence", [
+    ("step3_multi_gpu/train_fsdp.py", ["--fake-world-size", "4", "--fake-rank", "4"],
+     "error: --fake-rank 4 is not a rank of --fake-world-size 4; use 0 to 3."),
+    ("step3_multi_gpu/train_ddp.py", ["--fake-world-size", "4", "--save-weights"],
+     "error: --save-weights cannot be used in a dry run (--fake-world-size): its weights are not trained (the "
+     "other ranks' parts never arrive); drop --save-weights."),
+    ("step3_multi_gpu/train_tp.py", ["--fake-rank", "1"],
+     "error: --fake-rank needs --fake-world-size (the layout the rank belongs to)."),
+    ("step3_multi_gpu/train_pp.py", ["--fake-world-size", "2"],
+     "error: --fake-world-size: a pipeline rank cannot run alone (its stages agree on shapes with their neighbours "
+     "before the first step); dry-run train_ddp.py, train_fsdp.py, train_tp.py or train_2d.py, or ask python -m "
+     "tools.estimate for the pipeline."),
+    ("step3_multi_gpu/train_ddp.py", ["--fake-world-size", "2", "--comm-hook", "fp16"],
+     "error: --comm-hook fp16 cannot run in a dry run (--fake-world-size): it computes with what the other ranks "
+     "send, which never arrives; drop --comm-hook."),
+])
+def test_dry_run_misuse_is_one_sentence(script, flags, sentence, tmp_path):
+    """Each in this process (no torch start-up per case): exit 2 and exactly the sentence."""
+    from tools.multirun import run_script
+    code, err = run_script(script, ["--model", "debug", "--data", "synthetic", "--device", "cpu", "--steps", "2",
+                                    "--seq-len", "32", "--global-batch-size", "4", *flags, "--out", str(tmp_path)],
+                           capture_stderr=True)
+    assert code == 2 and err.strip().splitlines()[-1] == sentence, err
+
+
+def test_a_dry_run_refuses_torchrun(monkeypatch, tmp_path):
+    from tools.multirun import run_script
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, err = run_script("step3_multi_gpu/train_fsdp.py", ["--model", "debug", "--data", "synthetic", "--device",
+                                                              "cpu", "--fake-world-size", "4", "--out", str(tmp_path)],
+                           capture_stderr=True)
+    assert code == 2
+    assert err.strip() == ("error: --fake-world-size runs one rank in one process: start it with plain python, not "
+                           "torchrun.")

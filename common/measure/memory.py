@@ -382,7 +382,7 @@ class MemoryTracer:
                 pickle.dump(self._cuda_snapshot, f)  # what torch.cuda.memory._dump_snapshot writes
             self._cuda_snapshot = None
         mine = dict(self.result or {}, rank=ctx.rank)
-        if dist.is_initialized() and ctx.world_size > 1:
+        if dist.is_initialized() and ctx.has_peers:
             gathered = [None] * ctx.world_size if ctx.is_main else None
             dist.gather_object(mine, gathered, dst=0)
         else:

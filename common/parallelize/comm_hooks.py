@@ -116,6 +116,12 @@ def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts
     ``UserError`` with a one-line fix for what cannot work (see ``check_comm_hook``).
     """
     opts = check_comm_hook(name, **powersgd_opts)
+    if dist.get_backend(process_group) == "fake":
+        if name != "none":
+            raise UserError(f"--comm-hook {name} cannot run in a dry run (--fake-world-size): it computes with "
+                            f"what the other ranks send, which never arrives; drop --comm-hook.")
+        ddp_model.register_comm_hook(None, _dry_run_hook)
+        return None
     if name == "none":
         return None  # DDP's built-in fp32 all-reduce (in C++, faster than the Python allreduce_hook)
     if name in ("fp16", "bf16"):
@@ -128,6 +134,15 @@ def register_comm_hook(ddp_model, name: str, process_group=None, **powersgd_opts
         hook = _one_bucket_at_a_time(hook)
     ddp_model.register_comm_hook(state, hook)
     return state
+
+
+def _dry_run_hook(_, bucket):
+    """DDP's all-reduce on the fake process group: issued (so it is counted, bucket by bucket)
+    but never waited on, whose Work gives DDP no tensor back; the bucket is handed back as is."""
+    dist.all_reduce(bucket.buffer())
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _one_bucket_at_a_time(hook):

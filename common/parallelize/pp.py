@@ -51,7 +51,14 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
 
 def check_no_accum(args):
     """A pipeline's micro-batches already are gradient accumulation (each one's backward adds
-    into the same gradients before one optimizer step): --grad-accum would only repeat it."""
+    into the same gradients before one optimizer step): --grad-accum would only repeat it.
+    Nor can a pipeline rank run alone (--fake-world-size): before the first step the stages
+    agree on shapes and on how to infer them, by messages a lone rank never receives
+    (refused before the fake process group exists: nothing to tear down)."""
+    if args.fake_world_size is not None:
+        raise UserError("--fake-world-size: a pipeline rank cannot run alone (its stages agree on shapes with their "
+                        "neighbours before the first step); dry-run train_ddp.py, train_fsdp.py, train_tp.py or "
+                        "train_2d.py, or ask python -m tools.estimate for the pipeline.")
     if args.grad_accum != 1:
         raise UserError(f"--grad-accum {args.grad_accum}: a pipeline already accumulates gradients over its "
                         f"micro-batches; raise --microbatches instead (now {args.microbatches}).")
