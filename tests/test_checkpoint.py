@@ -139,21 +139,22 @@ def test_non_finite_loss_stops_with_the_step_and_rank(tmp_path):
 
 # ==== the data-parallel family ==================================================================
 B = ["--global-batch-size", "4", "--steps", "6", "--no-trace-memory"]
+B3 = B + ["--amp", "off"]  # the step-3 runs: fp32, to match step 1's losses (step 3 defaults to bf16)
 C = ["--ckpt-every", "2", "--ckpt-keep", "3"]
 STEPS = [str(s) for s in range(6)]
 
 # Job 1, two "nodes" x 2 ranks (two torchrun launches, one c10d rendezvous on localhost).
 TWO_NODES = {
     "reference": {"script": "step1", "flags": B},  # single-process step 1, on every rank
-    "ddp4": {"script": "ddp", "flags": B},
-    "fsdp4": {"script": "fsdp", "flags": B + C},
-    "zero1_4": {"script": "ddp", "flags": B + C + ["--zero1"]},
+    "ddp4": {"script": "ddp", "flags": B3},
+    "fsdp4": {"script": "fsdp", "flags": B3 + C},
+    "zero1_4": {"script": "ddp", "flags": B3 + C + ["--zero1"]},
 }
 # Job 2, 2 ranks under torchrun --max-restarts 2: two runs crash once each.
-R = B + C + ["--resume"]
+R = B3 + C + ["--resume"]
 ELASTIC = {
-    "ddp": {"script": "ddp", "flags": B + C},
-    "fsdp": {"script": "fsdp", "flags": B + C},
+    "ddp": {"script": "ddp", "flags": B3 + C},
+    "fsdp": {"script": "fsdp", "flags": B3 + C},
     "ddp_fault": {"script": "ddp", "flags": R + ["--fail-at-step", "4"]},
     "fsdp_fault": {"script": "fsdp", "flags": R + ["--fail-at-step", "4", "--fail-rank", "1"]},
     # another world size
@@ -165,10 +166,10 @@ ELASTIC = {
     "ddp_from_zero1_4": {"script": "ddp", "flags": R, "from": ["zero1_4", 3]},
     "offload_from_fsdp": {"script": "fsdp", "flags": R + ["--cpu-offload"], "from": ["fsdp", 3]},
     # data that is not UTF-8: bytes are tokens, nothing to decode
-    "non_utf8": {"script": "ddp", "flags": B + ["--steps", "2", "--data", "NON_UTF8"]},
+    "non_utf8": {"script": "ddp", "flags": B3 + ["--steps", "2", "--data", "NON_UTF8"]},
     # NaN: stop with the step and rank, or skip the update
-    "nan_stop": {"script": "ddp", "flags": B + ["--lr", "1e6"]},
-    "nan_skip": {"script": "ddp", "flags": B + ["--steps", "3", "--lr", "1e6", "--on-nan", "skip"]},
+    "nan_stop": {"script": "ddp", "flags": B3 + ["--lr", "1e6"]},
+    "nan_skip": {"script": "ddp", "flags": B3 + ["--steps", "3", "--lr", "1e6", "--on-nan", "skip"]},
     # misuse: each one sentence, exit 2, the checkpoint left as it was
     "bad_accum": {"script": "ddp", "flags": R + ["--grad-accum-steps", "2"], "from": ["ddp", 3]},
     "bad_preset": {"script": "fsdp", "flags": R + ["--n-layers", "1"], "from": ["fsdp4", 3]},

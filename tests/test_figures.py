@@ -103,8 +103,9 @@ def test_one_launch_runs_several_strategies_and_they_agree(cleanup):
     own folder, and DDP and FSDP run back to back in one job match step 1's losses."""
     one = [Run("pytest_single", "step1_single_gpu/train.py", TINY, job="pytest_one"),
            Run("pytest_single_again", "step1_single_gpu/train.py", TINY, job="pytest_one")]
-    two = [Run("pytest_dp/ddp", "step3_multi_gpu/train_ddp.py", TINY, nproc=2, job="pytest_two"),
-           Run("pytest_dp/fsdp", "step3_multi_gpu/train_fsdp.py", TINY, nproc=2, job="pytest_two")]
+    fp32 = TINY + ["--amp", "off"]  # step 3's default is bf16; step 1's losses are fp32
+    two = [Run("pytest_dp/ddp", "step3_multi_gpu/train_ddp.py", fp32, nproc=2, job="pytest_two"),
+           Run("pytest_dp/fsdp", "step3_multi_gpu/train_fsdp.py", fp32, nproc=2, job="pytest_two")]
     cleanup += [r.name for r in one + two]
     bar = Bar()
     for job in jobs(one + two):

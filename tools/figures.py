@@ -96,7 +96,8 @@ _MP4 = dict(nproc=4, job="4_ranks_model_parallel")
 _CLIP = ["--model", "small", "--n-layers", "4", "--global-batch-size", "8", "--seq-len", "64", "--steps", "8",
          "--eval-batches", "0", "--no-trace-memory", "--max-norm", "0.5", "--amp", "off"]
 STRATEGIES = "03_strategies/"  # the folder of the runs the chapter 3b table and the comparison read
-BF16_AC = "03_bf16_ac/"  # the same strategies in bf16 with full activation checkpointing
+BF16_AC = "03_bf16_ac/"
+DRY_RUN = "03_dry_run_1b_fsdp8"  # a dry run of one rank (--fake-world-size)  # the same strategies in bf16 with full activation checkpointing
 _BF16_AC_RUNS = [("ddp", "step3_multi_gpu/train_ddp.py", []), ("fsdp", "step3_multi_gpu/train_fsdp.py", []),
                  ("tp", _TP, []), ("pp_1f1b", _PP, ["--schedule", "1f1b", "--microbatches", "8"]),
                  ("2d", _2D, ["--tp", "2"])]
@@ -124,6 +125,11 @@ CHAPTER3B: list[Run] = [
     # As a GPU user trains: the defaults (bf16, each strategy's way) plus full AC, same model and batch
     *[Run(BF16_AC + name, script, _3B + ["--amp", "bf16", "--ac", "full"] + extra, **_MP4)
       for name, script, extra in _BF16_AC_RUNS],
+    # One rank of a layout no machine here could run: rank 0 of FSDP over 8 ranks, the 1b model
+    Run(DRY_RUN, "step3_multi_gpu/train_fsdp.py",
+        ["--model", "1b", "--fake-world-size", "8", "--fake-rank", "0", "--global-batch-size", "8", "--seq-len",
+         "256", "--steps", "3", "--eval-batches", "0", "--trace-start", "1", "--trace-steps", "1",
+         "--data", "synthetic"]),
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
@@ -313,6 +319,30 @@ def chapter3_bf16_ac(suffix: str = "") -> dict[str, str]:
     return {"table-03-bf16-ac" + suffix: md}
 
 
+def dry_run_table(suffix: str = "") -> dict[str, str]:
+    """The 1b dry run's rank against the formulas: per category, predicted and measured."""
+    from common.measure.memory import CATEGORIES, fmt_bytes
+    path = run_dir(DRY_RUN, suffix) / "summary.json"
+    if not path.exists():
+        print(f"skipped the dry-run table: {path} is missing", flush=True)
+        return {}
+    s = json.loads(path.read_text())
+    (mem,), (pred,) = s["memory"], s["predicted"]["per_rank"]
+    lines = ["| rank 0 of FSDP over 8, 1b model, batch 8 x 256, bf16 | predicted (theory.py) | measured (dry run) |",
+             "|---|---|---|"]
+    for c in CATEGORIES:
+        if c in pred:
+            lines.append(f"| {c} | {fmt_bytes(pred[c])} | {fmt_bytes(pred[f'measured {c}'])} |")
+    sent = {k: v["bytes"] for k, v in s["comm"][0].items()}
+    want = {k: v for k, v in pred["comm"].items()}
+    for k in sorted(sent):
+        lines.append(f"| {k} per step | {fmt_bytes(want.get(k, 0))} | {fmt_bytes(sent[k])} |")
+    lines += ["", f"Peak of the rank: {fmt_bytes(mem['peak_bytes'])}; {s['step_time_s']:.1f} s a step on "
+                  f"{s['device_name']}, in one process. Model state is compared when the optimizer step begins, "
+                  f"activations at their peak."]
+    return {"table-03-dry-run" + suffix: "\n".join(lines)}
+
+
 def _md_table(text: str, header: str) -> list[str]:
     """The lines of the markdown table in ``text`` whose header row starts with ``header``."""
     lines = text.splitlines()
@@ -401,7 +431,7 @@ from step4_multi_node.tables import write_faults_table  # noqa: E402
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
-              ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
+              ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report)]
 
 
