@@ -150,13 +150,16 @@ TWO_NODES = {
     "fsdp4": {"script": "fsdp", "flags": B3 + C},
     "zero1_4": {"script": "ddp", "flags": B3 + C + ["--zero1"]},
 }
-# Job 2, 2 ranks under torchrun --max-restarts 2: two runs crash once each.
+# Job 2, 2 ranks under torchrun --max-restarts 3: three runs crash once each.
 R = B3 + C + ["--resume"]
 ELASTIC = {
     "ddp": {"script": "ddp", "flags": B3 + C},
     "fsdp": {"script": "fsdp", "flags": B3 + C},
     "ddp_fault": {"script": "ddp", "flags": R + ["--fail-at-step", "4"]},
     "fsdp_fault": {"script": "fsdp", "flags": R + ["--fail-at-step", "4", "--fail-rank", "1"]},
+    # the default bf16 (FSDP's mixed-precision policy): resumed exactly too
+    "fsdp_bf16": {"script": "fsdp", "flags": B + C},
+    "fsdp_bf16_fault": {"script": "fsdp", "flags": B + C + ["--resume", "--fail-at-step", "4"]},
     # another world size
     "fsdp_from_fsdp4": {"script": "fsdp", "flags": R, "from": ["fsdp4", 3]},
     "zero1_from_zero1_4": {"script": "ddp", "flags": R + ["--zero1"], "from": ["zero1_4", 3]},
@@ -214,10 +217,10 @@ def jobs(tmp_path_factory):
     data.write_bytes(bytes(range(256)) * 64 + "caf\u00e9 na\u00efve".encode("latin-1") * 500)
     plan = json.loads(json.dumps(ELASTIC).replace("NON_UTF8", str(data)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "2", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
+                        "--max-restarts", "3", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
                        cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("crashing on purpose") == 2, r.stdout[-3000:]
+    assert r.stdout.count("crashing on purpose") == 3, r.stdout[-3000:]
     elastic = _results(folder, ELASTIC)
     for name, res in {**two_nodes, **elastic}.items():
         expected = 2 if name in ERRORS else 0
@@ -239,10 +242,10 @@ def test_two_nodes_on_one_machine_match_step1(jobs):
 
 
 def test_killed_and_restarted_runs_continue_exactly(jobs):
-    """torchrun --max-restarts: rank 0 (DDP) / rank 1 (FSDP) dies after step 4; the job
-    restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit."""
+    """torchrun --max-restarts: rank 0 (DDP, FSDP in bf16) / rank 1 (FSDP) dies after step 4;
+    the job restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit."""
     e = jobs.elastic
-    for faulty, plain in (("ddp_fault", "ddp"), ("fsdp_fault", "fsdp")):
+    for faulty, plain in (("ddp_fault", "ddp"), ("fsdp_fault", "fsdp"), ("fsdp_bf16_fault", "fsdp_bf16")):
         assert e[faulty]["restarted"] and e[faulty]["job_attempt"] >= 1  # it really died
         assert e[faulty]["losses"] == e[plain]["losses"]  # all six steps, no gap, no repeat
         assert e[faulty]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
