@@ -43,6 +43,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--trace-start", type=int, default=1,
                    help="first recorded step, after warm-up (default: 1, the second step)")
     g.add_argument("--trace-steps", type=int, default=2, help="number of recorded steps (default: 2)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler over the last two untraced steps: a Chrome trace per rank in OUT/profile/ "
+                        "and OUT/profile_timeline.png, compute and communication and how much of it overlaps")
     g.add_argument("--max-norm", type=float, default=1.0,
                    help="clip the gradients to this global norm before each optimizer step (default: 1.0, "
                         "the usual LLM recipe; 0 only measures it); the norm is logged as grad_norm")

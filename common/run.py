@@ -31,6 +31,7 @@ from common.measure import theory
 from common.measure.comm import CommCounter, print_comm
 from common.measure.memory import MemoryTracer
 from common.measure.metrics import Metrics
+from common.measure.profile import Profile, profile_steps
 
 
 class Run:
@@ -70,6 +71,12 @@ class Run:
                 trace_fsdp_memory(self.tracer, m)  # FSDP's gathered weights count as parameters
         self.metrics = Metrics(args, ctx, optimizer, parallel=self.parallel, dtype=dtype)
         self.comm, self.comm_steps = CommCounter(), 0
+        # --profile: the last steps that are neither traced nor counted (timed as they run)
+        steps = profile_steps(args, lambda s: self.tracer.will_record(s) or self.counts_comm(s))
+        if args.profile and not steps:
+            raise UserError(f"--profile needs a step after the first that is not memory-traced or byte-counted; "
+                            f"train longer than --steps {args.steps}, or pass --no-trace-memory.")
+        self.profile = Profile(steps, ctx.device, enabled=args.profile)
 
     def steps(self):
         """The step numbers still to run, with the progress bar (rank 0)."""
@@ -91,14 +98,17 @@ class Run:
         """Trace the step's memory and count its bytes, if it is one of the steps for that."""
         count = self.counts_comm(step)
         self.comm_steps += count
-        with self.tracer.record(step), (self.comm if count else contextlib.nullcontext()):
+        with self.tracer.record(step), (self.comm if count else contextlib.nullcontext()), \
+                self.profile.record(step):
             yield
 
     def log(self, step: int, loss, **extra):
         """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank."""
         extra = {k: v.item() if hasattr(v, "item") else v for k, v in extra.items()}  # grad_norm: a tensor
-        # Traced and counted steps run under a dispatch mode: left out of the throughput.
-        self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step), **extra)
+        # Traced and counted steps run under a dispatch mode, profiled ones under the
+        # profiler: all left out of the throughput.
+        self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
+                         or (self.profile.enabled and step in self.profile.steps), **extra)
         if self.scheduler is not None:
             self.scheduler.step()
         # NaN check (of the loss and the gradient norm), --ckpt-every, --fail-at-step
@@ -123,6 +133,15 @@ class Run:
                                   f"{'s' if ctx.world_size > 1 else ''}: {a.model} model, batch "
                                   f"{a.global_batch_size} x {a.seq_len} tokens, {ctx.device.type}")
         comm = self.comm_by_rank()
+        profiled = self.profile.save(a.out, ctx, f"{self.title}: compute and communication, steps "
+                                     f"{self.profile.steps[0]}-{self.profile.steps[-1]}") if a.profile else None
+        if profiled:
+            extra |= {"profile": profiled}
+            for r in profiled:
+                frac = r["overlapped_fraction"]
+                ctx.print(f"  profile rank {r['rank']}: compute {r['compute_s'] * 1e3:,.0f} ms, communication "
+                          f"{r['comm_s'] * 1e3:,.0f} ms" + (f", {frac:.0%} of it overlapped" if frac is not None else ""))
+            ctx.print(f"  profile traces in {a.out}/profile/ (open at ui.perfetto.dev), figure {a.out}/profile_timeline.png")
         predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}

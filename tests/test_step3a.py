@@ -46,6 +46,9 @@ def _plan(batch: int, *runs: str) -> dict:
         # torch.compile (inductor's C++ on CPU) against eager; fused AdamW along
         "ddp_compile": ["ddp", fp32 + ["--compile", "--fused-adamw", "--no-trace-memory"]],
         "fsdp_compile": ["fsdp", fp32 + ["--compile", "--no-trace-memory"]],
+        # --profile: the profiler over the untraced, uncounted steps (here step 1)
+        "ddp_profile": ["ddp", fp32 + ["--profile"]],
+        "fsdp_profile": ["fsdp", fp32 + ["--profile"]],
         # the defaults: bf16 (autocast for DDP and ZeRO-1, FSDP's mixed-precision policy)
         "ddp_bf16": ["ddp", b + ["--no-trace-memory"]],
         "zero1_bf16": ["ddp", b + ["--zero1", "--no-trace-memory"]],
@@ -61,7 +64,7 @@ def _plan(batch: int, *runs: str) -> dict:
 
 PLANS = {
     2: _plan(4, "ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp_2x1", "ddp_ac", "fsdp_ac",
-             "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16"),
+             "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16", "ddp_profile", "fsdp_profile"),
     3: _plan(6, "ddp", "fsdp_zero3"),
     4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "reference_bf16", "ddp_bf16",
              "zero1_bf16", "fsdp_bf16", "bad_batch", "bad_accum", "bad_hsdp"),
@@ -256,6 +259,39 @@ def test_bf16_runs_match_the_one_device_bf16_run(world, request):
             assert job[name]["summary"]["dtype"] == "bf16"
 
 
+def test_profile_shows_each_ranks_compute_and_communication(job2):
+    """--profile: a Chrome trace per rank with gloo's collectives in it, the timeline figure,
+    and per rank the communication time and the share of it that ran under compute."""
+    # (gloo has no reduce-scatter of its own: FSDP's runs as a gloo all-reduce)
+    for name, kinds in (("ddp_profile", {"gloo:all_reduce"}), ("fsdp_profile", {"gloo:all_gather", "gloo:all_reduce"})):
+        run = job2[name]
+        assert run["profile_traces"] == ["trace_rank0.json", "trace_rank1.json"] and run["profile_figure"], name
+        assert kinds <= set(run["profile_comm_names"]), (name, run["profile_comm_names"])
+        per_rank = run["summary"]["profile"]
+        assert [r["rank"] for r in per_rank] == [0, 1]
+        for r in per_rank:
+            assert r["comm_s"] > 0 and r["compute_s"] > 0 and 0 <= r["overlapped_fraction"] <= 1, (name, r)
+        # the profiled step is left out of the throughput, like the traced ones
+        assert run["losses"] == pytest.approx(job2[name.replace("_profile", "" if name == "ddp_profile" else "_zero3")]
+                                              ["losses"], rel=1e-6)
+
+
+def test_overlap_is_the_communication_time_under_compute():
+    """The arithmetic of common/measure/profile.py on a made-up CPU trace: compute on the
+    training thread (a collective's launch excluded), communication on gloo's thread."""
+    from common.measure.profile import intervals_from_trace, overlap
+    ev = [{"ph": "X", "tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+          {"ph": "X", "tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 50, "dur": 100},  # overlaps: a union
+          {"ph": "X", "tid": 1, "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 160, "dur": 10},
+          {"ph": "X", "tid": 1, "cat": "cpu_op", "name": "aten::add", "ts": 200, "dur": 50},
+          {"ph": "X", "tid": 7, "cat": "user_annotation", "name": "gloo:all_reduce", "ts": 120, "dur": 100}]
+    iv = intervals_from_trace(ev, main_tid=1)
+    assert iv == {"compute": [(0, 150), (200, 250)], "comm": [(120, 220)]}
+    o = overlap(iv)
+    assert o["comm_s"] == pytest.approx(100e-6) and o["overlapped_s"] == pytest.approx(50e-6)
+    assert o["overlapped_fraction"] == pytest.approx(0.5)
+
+
 DRY = {"ddp": 1, "zero1": 3, "fsdp_zero3": 2, "hsdp": 3}  # run -> the rank a dry run plays, at 4 ranks
 
 
@@ -357,3 +393,14 @@ def test_a_dry_run_refuses_torchrun(monkeypatch, tmp_path):
     assert code == 2
     assert err.strip() == ("error: --fake-world-size runs one rank in one process: start it with plain python, not "
                            "torchrun.")
+
+
+def test_profile_without_a_step_to_profile_is_one_sentence(tmp_path):
+    from tools.multirun import run_script
+    code, err = run_script("step3_multi_gpu/train_ddp.py", ["--model", "debug", "--data", "synthetic", "--device",
+                                                             "cpu", "--steps", "2", "--seq-len", "32",
+                                                             "--global-batch-size", "4", "--profile",
+                                                             "--out", str(tmp_path)], capture_stderr=True)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == ("error: --profile needs a step after the first that is not memory-traced "
+                                            "or byte-counted; train longer than --steps 2, or pass --no-trace-memory.")

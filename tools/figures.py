@@ -144,6 +144,12 @@ CHAPTER4 = [
         figures={"04_collectives_busbw.png": "collectives.png", "04_collectives_table.md": "collectives.md"}),
     Run("commlab_ring", "step3_multi_gpu/ring_allreduce.py", [], **_DP4,
         figures={"04_ring_vs_allreduce.png": "ring_vs_allreduce.png", "04_ring_table.md": "ring_allreduce.md"}),
+    # --profile: compute and communication on one time line, and how much of it overlaps
+    *[Run(f"04_profile/{name}", script, ["--model", "small", "--steps", "8", "--global-batch-size", "8", "--seq-len",
+                                         "128", "--eval-batches", "0", "--profile", *extra], **_DP4,
+          figures={f"04_profile_{name}.png": "profile_timeline.png"})
+      for name, script, extra in (("ddp", "step3_multi_gpu/train_ddp.py", []),
+                                  ("fsdp", "step3_multi_gpu/train_fsdp.py", []))],
     Run("commlab_comm_hooks", "step3_multi_gpu/compare_comm_hooks.py",
         ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], **_DP4,
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
@@ -369,7 +375,16 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
     collectives = "\n".join(rows + ["", f"(busbw in GB/s; every size is in `figs/{name}`.) {fit}"])
     ring_md = (ROOT / "figs" / f"04_ring_table{suffix}.md").read_text()
     hooks = _md_table((ROOT / "figs" / f"04_comm_hooks_table{suffix}.md").read_text(), "| hook |")
-    return {"table-04-collectives" + suffix: collectives,
+    profile = ["| run (4 ranks, bf16) | rank | compute | communication | of it under compute |", "|---|---|---|---|---|"]
+    for name in ("ddp", "fsdp"):
+        path = run_dir(f"04_profile/{name}", suffix) / "summary.json"
+        if path.exists():
+            for r in json.loads(path.read_text())["profile"]:
+                frac = r["overlapped_fraction"]
+                profile.append(f"| {name.upper()} | {r['rank']} | {r['compute_s'] * 1e3:,.0f} ms | "
+                               f"{r['comm_s'] * 1e3:,.0f} ms | {'-' if frac is None else f'{frac:.0%}'} |")
+    return {"table-04-profile" + suffix: "\n".join(profile),
+            "table-04-collectives" + suffix: collectives,
             "table-04-ring" + suffix: "\n".join(_md_table(ring_md, "| size | ring time")),
             "table-04-ring-bytes" + suffix: "\n".join(_md_table(ring_md, "| ring | numel")),
             "table-04-hooks" + suffix: "\n".join(hooks)}

@@ -106,6 +106,11 @@ def main(out_json: str, plan: str):
             entry["losses"] = [r["loss"] for r in rows]
             entry["grad_norms"] = [r["grad_norm"] for r in rows]
             entry["summary"] = json.loads((out / "summary.json").read_text())
+            if (out / "profile").exists():  # --profile: the traces, the collectives they hold, the figure
+                entry["profile_traces"] = sorted(p.name for p in (out / "profile").iterdir())
+                events = json.loads((out / "profile" / "trace_rank0.json").read_text())["traceEvents"]
+                entry["profile_comm_names"] = sorted({e["name"] for e in events if e["name"].startswith("gloo:")})
+                entry["profile_figure"] = (out / "profile_timeline.png").exists()
         results[name] = entry
         dist.barrier()
     if rank == 0:
