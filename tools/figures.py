@@ -150,6 +150,10 @@ CHAPTER4 = [
           figures={f"04_profile_{name}.png": "profile_timeline.png"})
       for name, script, extra in (("ddp", "step3_multi_gpu/train_ddp.py", []),
                                   ("fsdp", "step3_multi_gpu/train_fsdp.py", []))],
+    # Strong and weak scaling of DDP and FSDP, 1, 2 and 4 ranks (it launches its own torchrun jobs)
+    Run("04_scaling", "tools/scaling.py", ["--model", "small", "--seq-len", "128", "--global-batch-size", "8",
+                                           "--steps", "10"],
+        figures={"04_scaling.png": "scaling.png", "04_scaling_table.md": "scaling.md"}),
     Run("commlab_comm_hooks", "step3_multi_gpu/compare_comm_hooks.py",
         ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], **_DP4,
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
@@ -383,7 +387,12 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
                 frac = r["overlapped_fraction"]
                 profile.append(f"| {name.upper()} | {r['rank']} | {r['compute_s'] * 1e3:,.0f} ms | "
                                f"{r['comm_s'] * 1e3:,.0f} ms | {'-' if frac is None else f'{frac:.0%}'} |")
-    return {"table-04-profile" + suffix: "\n".join(profile),
+    scaling = ROOT / "figs" / f"04_scaling_table{suffix}.md"
+    if scaling.exists():
+        profile_tables = {"table-04-scaling" + suffix: scaling.read_text().strip()}
+    else:
+        profile_tables = {}
+    return {**profile_tables, "table-04-profile" + suffix: "\n".join(profile),
             "table-04-collectives" + suffix: collectives,
             "table-04-ring" + suffix: "\n".join(_md_table(ring_md, "| size | ring time")),
             "table-04-ring-bytes" + suffix: "\n".join(_md_table(ring_md, "| ring | numel")),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ class Profile:
     def __init__(self, steps: list[int], device: torch.device, enabled: bool):
         self.steps, self.device, self.enabled = steps, device, enabled
         self.prof = None
-        self.intervals: dict | None = None
+        self.wall_s = 0.0  # the profiled steps' wall time, start to end
 
     @contextlib.contextmanager
     def record(self, step: int):
@@ -106,11 +107,13 @@ class Profile:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
+        t0 = time.perf_counter()
         with torch.profiler.record_function(f"step {step}"):
             yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.wall_s += time.perf_counter() - t0
         if step == self.steps[-1]:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.prof.__exit__(None, None, None)
 
     def save(self, out_dir: Path, ctx, title: str) -> list[dict] | None:
@@ -123,7 +126,7 @@ class Profile:
         path = folder / f"trace_rank{ctx.rank}.json"
         self.prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-        mine = {"rank": ctx.rank, **intervals_from_trace(events, threading.get_native_id())}
+        mine = {"rank": ctx.rank, "wall_s": self.wall_s, **intervals_from_trace(events, threading.get_native_id())}
         if ctx.has_peers:
             everyone = [None] * ctx.world_size if ctx.is_main else None
             dist.gather_object(mine, everyone, dst=0)
@@ -131,7 +134,7 @@ class Profile:
             everyone = [mine]
         if not ctx.is_main:
             return None
-        numbers = [{"rank": r["rank"], **overlap(r)} for r in everyone]
+        numbers = [{"rank": r["rank"], "wall_s": r["wall_s"], **overlap(r)} for r in everyone]
         draw(everyone, numbers, Path(out_dir) / "profile_timeline.png", title)
         return numbers
 
