@@ -45,3 +45,41 @@ def test_misuse_is_one_sentence(argv, sentence, capsys):
         main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: {sentence}"
+
+
+def test_lr_scaling_runs_spend_the_same_tokens_with_each_rule():
+    from tools.lr_scaling import plan
+    runs = plan(k=4, batch=8, steps=200, lr=1e-3, warmup=20)
+    assert [r["name"] for r in runs] == ["baseline", "keep", "keep_no_warmup", "linear", "linear_no_warmup", "sqrt",
+                                         "sqrt_no_warmup"]
+    assert {r["batch"] * r["steps"] for r in runs} == {1600}  # one token budget
+    lrs = {r["name"]: r["lr"] for r in runs}
+    assert lrs["keep"] == 1e-3 and lrs["linear"] == pytest.approx(4e-3) and lrs["sqrt"] == pytest.approx(2e-3)
+    assert {r["name"]: r["warmup"] for r in runs if r["rule"] != "-"} == {
+        "keep": 5, "keep_no_warmup": 0, "linear": 5, "linear_no_warmup": 0, "sqrt": 5, "sqrt_no_warmup": 0}
+
+
+def test_lr_scaling_trains_every_run_and_writes_the_table(tmp_path, capsys):
+    """Seven short runs of step 2's script in this process (debug model, synthetic data)."""
+    from tools.lr_scaling import main as lr_main
+    results = lr_main(["--k", "2", "--steps", "4", "--warmup-steps", "2", "--model", "debug", "--seq-len", "32",
+                       "--data", "synthetic", "--device", "cpu", "--eval-batches", "1", "--out", str(tmp_path)])
+    assert len(results) == 7 and all(r["val_loss"] is not None for r in results)
+    for r in results:  # the curve's last point: all the tokens of the budget, the run's last loss
+        assert r["curve"][-1][0] == 8 * 4 * 32 and r["curve"][-1][1] == pytest.approx(r["final_loss"])
+    table = (tmp_path / "lr_scaling.md").read_text()
+    assert table.count("\n| ") == 7 and "| linear | 16 | 2 | 2.00e-03 | 1 |" in table
+    assert (tmp_path / "lr_scaling.png").exists()
+
+
+@pytest.mark.parametrize("argv,sentence", [
+    (["--k", "1"], "--k must be at least 2 (got 1): the batch has to grow."),
+    (["--k", "3", "--steps", "200", "--warmup-steps", "20"],
+     "--steps 200 and --warmup-steps 20 must be multiples of --k 3, so that every run sees the same tokens and "
+     "warms up over the same ones."),
+])
+def test_lr_scaling_misuse_is_one_sentence(argv, sentence, capsys):
+    from tools.lr_scaling import main as lr_main
+    with pytest.raises(SystemExit) as e:
+        lr_main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {sentence}"
