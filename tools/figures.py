@@ -154,6 +154,11 @@ CHAPTER4 = [
     Run("04_scaling", "tools/scaling.py", ["--model", "small", "--seq-len", "128", "--global-batch-size", "8",
                                            "--steps", "10"],
         figures={"04_scaling.png": "scaling.png", "04_scaling_table.md": "scaling.md"}),
+    # The learning rate when the batch grows 4x, on the real text: keep, linear, square root
+    Run("04_lr_scaling", "tools/lr_scaling.py", ["--model", "small", "--seq-len", "128", "--global-batch-size", "8",
+                                                 "--steps", "200", "--warmup-steps", "20", "--k", "4",
+                                                 "--eval-batches", "8"],
+        figures={"04_lr_scaling.png": "lr_scaling.png", "04_lr_scaling_table.md": "lr_scaling.md"}),
     Run("commlab_comm_hooks", "step3_multi_gpu/compare_comm_hooks.py",
         ["--model", "small", "--steps", "30", "--seq-len", "128", "--global-batch-size", "8"], **_DP4,
         figures={"04_comm_hooks.png": "comm_hooks.png", "04_comm_hooks_table.md": "comm_hooks.md"}),
@@ -387,11 +392,10 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
                 frac = r["overlapped_fraction"]
                 profile.append(f"| {name.upper()} | {r['rank']} | {r['compute_s'] * 1e3:,.0f} ms | "
                                f"{r['comm_s'] * 1e3:,.0f} ms | {'-' if frac is None else f'{frac:.0%}'} |")
-    scaling = ROOT / "figs" / f"04_scaling_table{suffix}.md"
-    if scaling.exists():
-        profile_tables = {"table-04-scaling" + suffix: scaling.read_text().strip()}
-    else:
-        profile_tables = {}
+    profile_tables = {}
+    for marker, name in (("table-04-scaling", "04_scaling_table"), ("table-04-lr-scaling", "04_lr_scaling_table")):
+        if (ROOT / "figs" / f"{name}{suffix}.md").exists():
+            profile_tables[marker + suffix] = (ROOT / "figs" / f"{name}{suffix}.md").read_text().strip()
     return {**profile_tables, "table-04-profile" + suffix: "\n".join(profile),
             "table-04-collectives" + suffix: collectives,
             "table-04-ring" + suffix: "\n".join(_md_table(ring_md, "| size | ring time")),
