@@ -75,15 +75,17 @@ def split(cmd: list[str]) -> tuple[list[str], str, list[str]]:
 def parse_only(target: str, argv: list[str]) -> int:
     """Run ``target``'s main() with ``argv`` until its arguments are parsed: the exit
     code argparse gives (0 when they parse)."""
-    real = argparse.ArgumentParser.parse_args
+    # parse_known_args: parse_args calls it, and the tools that pass their other flags on to a
+    # training script (tools/scaling.py, tools/lr_scaling.py) call it themselves
+    real = argparse.ArgumentParser.parse_known_args
 
-    def parse_args(self, args=None, namespace=None):
+    def parse_known_args(self, args=None, namespace=None):
         real(self, args, namespace)
         raise _Parsed
 
     saved = sys.argv
     sys.argv = [target, *argv]
-    argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.parse_known_args = parse_known_args
     try:
         if target.startswith("-m "):
             runpy.run_module(target[3:], run_name="__main__", alter_sys=False)
@@ -94,7 +96,7 @@ def parse_only(target: str, argv: list[str]) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     finally:
-        argparse.ArgumentParser.parse_args = real
+        argparse.ArgumentParser.parse_known_args = real
         sys.argv = saved
     return 0
 

@@ -94,7 +94,7 @@ class Profile:
     def __init__(self, steps: list[int], device: torch.device, enabled: bool):
         self.steps, self.device, self.enabled = steps, device, enabled
         self.prof = None
-        self.wall_s = 0.0  # the profiled steps' wall time, start to end
+        self.wall_s = 0.0  # the profiled window's wall time, first step's start to last step's end
 
     @contextlib.contextmanager
     def record(self, step: int):
@@ -107,13 +107,14 @@ class Profile:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
-        t0 = time.perf_counter()
+            self._t0 = time.perf_counter()
         with torch.profiler.record_function(f"step {step}"):
             yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.wall_s += time.perf_counter() - t0
         if step == self.steps[-1]:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            # the whole window, the logging between the steps included (its loss all-reduce too)
+            self.wall_s = time.perf_counter() - self._t0
             self.prof.__exit__(None, None, None)
 
     def save(self, out_dir: Path, ctx, title: str) -> list[dict] | None:
