@@ -203,9 +203,9 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     from common.parallelize.pp import prune_to_stage, schedule_order
 
     model = prune_to_stage(Transformer(p.cfg), rank, p.pp)
-    if p.ac == "full":
+    if p.ac != "none":
         from common.parallelize.ac import apply_ac
-        apply_ac(model, "full")
+        apply_ac(model, p.ac)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
     m = p.microbatches or p.pp
@@ -250,8 +250,8 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
 
     device = torch.device("cpu")
     model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
-    if p.ac == "full":
-        apply_ac(model, "full")
+    if p.ac != "none":
+        apply_ac(model, p.ac)
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
     if p.strategy in ("tp", "2d"):
         from common.parallelize.tp import apply_tp

@@ -258,11 +258,28 @@ def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank:
 
 # ---- activations ----------------------------------------------------------------------------
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", ac: str = "none", tp: int = 1,
-                           sequence_parallel: bool = False) -> int:
-    """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes)."""
+                           sequence_parallel: bool = False, device: str = "cpu") -> int:
+    """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes).
+
+    ``device`` matters in one place: in fp32 on CUDA with grouped-query attention the model
+    copies k and v to every query head before attention (common/model.py: CUDA's fp32 kernel
+    has no GQA), so attention saves k and v at the width of q, d, instead of kv.
+    """
     d, f, h, kv = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads * cfg.head_dim
+    b = 4 if dtype == "fp32" else 2
     if ac == "full":
         return 4 * d * tokens // (tp if sequence_parallel else 1)
+    if ac == "selective":
+        # common/parallelize/ac.py keeps the block input (the checkpoint's argument, fp32 residual
+        # stream) and the outputs of the matmuls and of attention; everything else is recomputed.
+        # Sharded over heads and MLP units: wq, wk, wv (kv: before any GQA copy, which is
+        # recomputed), attention's output and log-sum-exp, w1, w3. Full width on every TP rank:
+        # wo's and w2's local products (partial sums, reduced after the matmul).
+        replicated, sharded = b * 2 * d, b * (2 * d + 2 * kv + 2 * f) + 4 * h
+        block_input = 4 * d // (tp if sequence_parallel else 1)
+        return tokens * (block_input + replicated + sharded // tp)
+    if device == "cuda" and dtype == "fp32":
+        kv = d  # the k and v attention saves: copied to every query head (no change without GQA)
     if dtype == "fp32":
         # replicated: the norms' inputs, normalised x, outputs and 1/rms; sharded over
         # heads and MLP units: q, attention's output, k, v, the MLP's four, lse
@@ -315,6 +332,7 @@ class Plan:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     loss_parallel: bool = True
+    device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
     notes: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -355,6 +373,39 @@ def rank_shapes(plan: Plan, rank: int) -> dict[str, tuple[int, ...]]:
     return tp_shapes(shapes, plan.tp)
 
 
+def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
+    """The step's peak: the largest of three moments.
+
+    - end of forward: parameters, AdamW state, every activation and autocast's cache of
+      bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
+      are not there yet when the previous step freed them (``zero_grad(set_to_none=True)``
+      with one micro-batch and no DDP); DDP keeps its gradient buckets, accumulation and
+      pipelines keep the gradients of the earlier micro-batches.
+    - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
+    - end of backward: every gradient, and the first block rebuilt (what matters under full
+      AC, where the activations are small and the gradients are not);
+    - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
+      AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
+      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time.
+    FSDP's gathered weights and unsharded gradients count at the first two.
+    Returns (peak, which moment, the optimizer's temporaries).
+    """
+    state_bytes = out["optimizer state"]
+    grads_live = kind in ("ddp", "zero1") or plan.accum > 1 or plan.pp > 1
+    base = out["parameters"] + state_bytes + out["activations"] + (out["gradients"] if grads_live else 0)
+    base += sum(v for k, v in transient.items() if "FSDP" in k)
+    cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
+    rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
+    # half the state: one fp32 value a parameter (the few bytes of step counters aside)
+    temporaries = state_bytes // 2 if plan.device == "cuda" else 0
+    full = out["parameters"] + out["gradients"] + state_bytes
+    moments = {"end of forward": base + cache, "start of backward": base + rebuilt,
+               "end of backward": full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
+               "optimizer step": full + temporaries}
+    at = max(moments, key=moments.get)
+    return moments[at], at, temporaries
+
+
 def predict(plan: Plan, rank: int = 0) -> dict:
     """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
     cfg, kind = plan.cfg, plan.dp_kind
@@ -371,20 +422,32 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     tokens = seqs * plan.seq_len
     in_flight = 1 if plan.pp == 1 else m if plan.schedule == "gpipe" else min(m, plan.pp - stage + (loops - 1) * plan.pp)
     n_layers = sum(1 for k in shapes if k.endswith("attention_norm.weight"))
-    act = n_layers * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
+    act = n_layers * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel,
+                                            plan.device)
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
     act *= in_flight
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
+    transient = {}
     if plan.dtype == "bf16":
         if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
-            act += amp_weight_copies(shapes)
+            # autocast caches one bf16 copy of each weight until the autocast region ends (after
+            # the loss). Matmuls outside a checkpoint save theirs for backward: activations. A
+            # checkpointed block's matmuls save nothing, so its copies die when the cache is
+            # cleared: at the end of forward they are still there (a transient), in backward
+            # they are cast again one block at a time.
+            copies = amp_weight_copies(shapes)
+            if plan.ac == "none":
+                act += copies
+            else:
+                kept = amp_weight_copies({k: v for k, v in shapes.items() if not k.startswith("layers.")})
+                act += kept
+                transient["autocast weight copies (until the loss)"] = copies - kept
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
-    transient = {}
     block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == str(
         min(int(x.split(".")[1]) for x in shapes if x.startswith("layers.")))} if n_layers else {}
     block_n = sum(math.prod(s) for s in block.values())
@@ -396,11 +459,14 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
         transient["gathered parameters (FSDP)"] = pbytes * gathered
         transient["unsharded gradients (FSDP)"] = 4 * 2 * block_n
-    if plan.ac == "full" and n_layers:
-        transient["one block recomputed (AC)"] = layer_activation_bytes(
-            cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel)
+    if plan.ac in ("full", "selective") and n_layers:
+        # backward rebuilds one block at a time: all of it (full), or what selective AC dropped
+        rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
+        if plan.ac == "selective":
+            rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, "selective", plan.tp, plan.sequence_parallel)
+        transient[f"one block recomputed ({plan.ac} AC)"] = rebuilt
     out["transient"] = transient
-    out["peak"] = sum(out[c] for c in CATEGORIES) + sum(transient.values())
+    out["peak"], out["peak_at"], out["optimizer temporaries"] = _peak(plan, kind, fsdp, out, transient)
 
     comm = {}
     if plan.dp > 1:
