@@ -52,7 +52,8 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None, dtype=args.compute_dtype,
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", dtype=args.compute_dtype,
+                  predict=dict(dtype=args.compute_dtype, ac=args.ac, ac_every=args.ac_every, accum=args.grad_accum),
                   title=f"Step 2, AMP {args.amp} + {args.ac} AC + {args.grad_accum} micro-batches")
         batches = iter(data)
         for step in run.steps():

@@ -46,7 +46,8 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None, dtype=args.compute_dtype,
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", dtype=args.compute_dtype,
+                  predict=dict(dtype=args.compute_dtype),
                   title=f"Step 2, AMP {args.amp}")
         batches = iter(data)
         for step in run.steps():

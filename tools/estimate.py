@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
-    p.add_argument("--ac", default="none", choices=("none", "full"), help="activation checkpointing (default: none)")
+    p.add_argument("--ac", default="none", choices=("none", "full", "selective"),
+                   help="activation checkpointing (default: none)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="whose kernels the formulas assume: attention's saved tensors and AdamW's "
+                        "temporaries differ (default: cuda)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
@@ -108,7 +112,7 @@ def plans(args) -> list[Plan]:
     cfg = get_config(args.model, n_layers=args.n_layers)
     w = args.world_size
     batch = args.batch or w
-    common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac,
+    common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac, device=args.device,
                   microbatches=args.microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel)
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
@@ -324,12 +328,14 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None):
     est = worst_rank(p)
     _unit(est["peak"])
     print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
-          f"AC {p.ac}; rank {est['rank']}, {UNIT[1]}")
+          f"AC {p.ac}, {p.device} kernels; rank {est['rank']}, {UNIT[1]}")
     rows = [(c, est[c], traced and traced[c]) for c in CATEGORIES]
     rows += [(k, v, None) for k, v in est["transient"].items()]
+    if est["optimizer temporaries"]:
+        rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], None))
     if traced:
         rows.append(("other (traced: temporaries)", None, traced["other"]))
-    rows.append(("peak", est["peak"], traced and traced["peak"]))
+    rows.append((f"peak ({est['peak_at']})", est["peak"], traced and traced["peak"]))
     w = max(len(r[0]) for r in rows)
     print(f"  {'':<{w}}  {'formula':>10}" + (f"  {'trace':>10}  {'trace/formula':>13}" if traced else ""))
     for name, f, t in rows:

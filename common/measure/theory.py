@@ -327,6 +327,7 @@ class Plan:
     seq_len: int = 256
     dtype: str = "fp32"
     ac: str = "none"
+    ac_every: int = 1                 # checkpoint every k-th block (common/parallelize/ac.py:apply_ac)
     accum: int = 1
     microbatches: int | None = None   # pipeline micro-batches (default: pp)
     schedule: str = "1f1b"
@@ -337,6 +338,8 @@ class Plan:
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
+        if self.dtype == "fp16":  # autocast to fp16 keeps the same 2-byte copies as bf16
+            self.dtype = "bf16"
         if self.strategy == "tp" and self.tp == 1:
             self.tp = self.world
         if self.strategy == "pp" and self.pp == 1:
@@ -422,8 +425,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     tokens = seqs * plan.seq_len
     in_flight = 1 if plan.pp == 1 else m if plan.schedule == "gpipe" else min(m, plan.pp - stage + (loops - 1) * plan.pp)
     n_layers = sum(1 for k in shapes if k.endswith("attention_norm.weight"))
-    act = n_layers * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel,
-                                            plan.device)
+    # apply_ac checkpoints the blocks whose position in model.layers is a multiple of ac_every
+    # (a pipeline stage counts its own blocks from 0)
+    n_ckpt = 0 if plan.ac == "none" else len(range(0, n_layers, plan.ac_every))
+    act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device)
+              for k, ac in ((n_ckpt, plan.ac), (n_layers - n_ckpt, "none")) if k)
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
     act *= in_flight
@@ -437,11 +443,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             # cleared: at the end of forward they are still there (a transient), in backward
             # they are cast again one block at a time.
             copies = amp_weight_copies(shapes)
-            if plan.ac == "none":
-                act += copies
-            else:
-                kept = amp_weight_copies({k: v for k, v in shapes.items() if not k.startswith("layers.")})
-                act += kept
+            blocks = sorted({int(k.split(".")[1]) for k in shapes if k.startswith("layers.")})
+            ckpt = {f"layers.{b}." for i, b in enumerate(blocks) if plan.ac != "none" and i % plan.ac_every == 0}
+            kept = amp_weight_copies({k: v for k, v in shapes.items() if not k.startswith(tuple(ckpt) or "\0")})
+            act += kept
+            if copies > kept:
                 transient["autocast weight copies (until the loss)"] = copies - kept
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
@@ -496,15 +502,16 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     if not ctx.is_main:
         return None
     from common.measure.memory import fmt_bytes
+    plan_kwargs.setdefault("device", "cuda" if ctx.device.type == "cuda" else "cpu")
     plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
                 seq_len=args.seq_len, **plan_kwargs)
     ranks = [m["rank"] for m in memory] if memory else [0]
-    out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "per_rank": []}
+    out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "device": plan.device, "per_rank": []}
     print(f"  predicted (common/measure/theory.py) vs measured, {plan.strategy}:", flush=True)
     for r in ranks:
         p = predict(plan, r)
         m = next((x for x in memory or [] if x["rank"] == r), None)
-        row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "comm": p["comm"]}
+        row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "peak": p["peak"], "peak_at": p["peak_at"], "comm": p["comm"]}
         cells = []
         for c in CATEGORIES:
             if m is None:
@@ -514,6 +521,13 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
                 else m["peak_by_category"][c]
             row[f"measured {c}"] = seen
             cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
+        # the whole step's peak, and when the formulas put it (on CUDA the allocator's own peak
+        # is the number to hold them to; the tracer counts the same tensors within 0.2%)
+        seen = m and (m.get("allocator_peak_bytes") or m["peak_bytes"])
+        if seen:
+            row["measured peak"] = seen
+        cells.append(f"peak {fmt_bytes(p['peak'])} ({p['peak_at']})"
+                     + (f" vs {fmt_bytes(seen)} ({seen / p['peak']:.3f})" if seen else ""))
         out["per_rank"].append(row)
         who = f"rank {r}" if len(ranks) > 1 else "one rank"
         if r in (ranks[0], ranks[-1]) or len(ranks) <= 4:
