@@ -25,18 +25,30 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
                 k and v (2kv), the residual after attention (d), the MLP's w1, silu, w3
                 and product (4f), attention's log-sum-exp (h) and the two norms' 1/rms (2).
                 RoPE saves nothing but its tables (they need no gradient).
+                On CUDA (``device="cuda"``) k and v count d each, not kv: CUDA's fp32
+                attention kernel (memory-efficient) has no grouped-query support, so the
+                model copies k and v to every query head and attention saves the copies.
+                The flash and memory-efficient kernels save q, k, v, the output and the
+                log-sum-exp (plus a few bytes of RNG state), never the seq x seq scores,
+                like the CPU's flash kernel: that part is the same on both devices.
   bf16 (AMP)    24d + 4kv + 8f + 4h + 8 bytes under torch.autocast: the residual stream
                 and the norms stay fp32 (the block input, normalised x, residual: 4 x 4d),
                 each norm's output is cast to bf16 once and that copy is what its
                 projections save (2 x 2d), q/out 2 x 2d, k/v 2 x 2kv, the MLP 4 x 2f, lse
                 4h, the norms' 1/rms 8; plus, per step, a bf16 copy of every weight
                 matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables,
-                cast to bf16 once per forward (4 x max_seq_len x head_dim).
-                On CUDA the fused RMSNorm's backward needs x and 1/rms only, so it should
-                keep the normalised x (4d per norm) less than this CPU count (not yet
-                measured on a GPU).
+                cast to bf16 once per forward (4 x max_seq_len x head_dim). The same on
+                CUDA (flash takes grouped k/v as they are).
+  selective AC  4d + b(4d + 2kv + 2f) + 4h, b = 2 (bf16) or 4 (fp32): what
+                common/parallelize/ac.py's policy keeps, the block input (fp32) and the
+                outputs of the matmuls (wq, wk, wv, wo, w1, w3, w2) and of attention (its
+                output and log-sum-exp); norms, RoPE, SiLU, the product and the residual
+                adds are recomputed. Exact against the CPU tracer.
   full AC       the block input only: 4d (fp32 residual stream, also under autocast);
                 backward recomputes one block at a time (a transient, not an activation).
+  With AC, autocast's weight copies of the checkpointed blocks are saved by nothing:
+  they live in autocast's cache until the autocast region ends (after the loss), a
+  transient at the end of forward, not an activation.
 
 Outside the blocks: the input batch (x and y, int64: 16 bytes/token), the final norm
 (12d + 4 bytes in fp32), the logits and cross entropy's log-probabilities (4V + 4V; the
@@ -45,10 +57,24 @@ training loop holds ``logits`` until backward). Tensor parallelism divides what 
 divides the norms' share. Pipeline stages keep the activations of the micro-batches in
 flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
 
-The measured band (tests/test_estimate.py, CPU): fp32 within 1% of the tracer's
-activations for the debug and small presets, full AC within 2%, bf16 autocast within 5%.
-The bf16 formula is autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no
-autocast) saves less (no weight copies, one input cast): there it is an upper bound.
+The peak is the largest of four moments (``_peak``): the end of forward (no gradients yet
+when the last step freed them, autocast's cache still full), the start of backward (one
+block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
+default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). On
+one H100 (1b, 4 x 2048; tests/test_estimate.py holds the numbers) the formula is within
+1.3% of the allocator's peak for fp32 (end of forward), selective AC (end of forward) and
+full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 autocast
+without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
+identified. Two facts bound it: the fp32 run fits only if the norms' normalised x is kept
+on CUDA as on CPU (a fused RMSNorm saving x and 1/rms only would leave fp32 2 GiB short),
+and the selective run (no norm activations, same autocast) fits; a bf16 copy of each
+norm's fp32 output, or grouped k/v expanded inside attention, would each be in the range.
+
+The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
+tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
+peak within -5%/+10% (backward's own temporaries are left out). The bf16 formula is
+autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no autocast) saves less
+(no weight copies, one input cast): there it is an upper bound.
 """
 from __future__ import annotations
 
