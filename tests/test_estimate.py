@@ -193,3 +193,15 @@ def test_where_the_1b_peaks_fall_and_what_is_device_specific():
     assert per_layer["cuda"] - per_layer["cpu"] == tokens * 4 * 2 * (d - kv)
     # bf16 keeps grouped k/v on both (the flash kernels take them as they are)
     assert len({theory.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}) == 1
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_saved_tensor_census_of_one_block_is_the_formula(amp):
+    """tools/saved_census.py reads what autograd keeps from one block, node by node: on this CPU
+    its total is theory's per-block count to the byte. (On a GPU the same command shows what
+    CUDA's kernels keep; the bf16 row above is what it is for.)"""
+    from tools.saved_census import census
+    c = census(SMALL, 2, 128, "cpu", amp)
+    assert c["total"] == theory.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
+    d, kv, f = SMALL.dim, SMALL.n_kv_heads * SMALL.head_dim, SMALL.ffn_dim
+    assert c["weight copies"] == (2 * (2 * d * d + 2 * d * kv + 3 * d * f) if amp else 0)  # the block's bf16 copies

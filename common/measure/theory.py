@@ -67,8 +67,10 @@ full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 
 without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
 identified. Two facts bound it: the fp32 run fits only if the norms' normalised x is kept
 on CUDA as on CPU (a fused RMSNorm saving x and 1/rms only would leave fp32 2 GiB short),
-and the selective run (no norm activations, same autocast) fits; a bf16 copy of each
-norm's fp32 output, or grouped k/v expanded inside attention, would each be in the range.
+and the selective run (no norm activations, same autocast) fits. Kept fp32 norm outputs
+(2 x 4d: +2.0 GiB) would close most of it, grouped k/v expanded inside attention (+0.75
+GiB) a third. ``python -m tools.saved_census --device cuda`` lists what one block keeps
+on a GPU, node by node: run it there to settle this (on CPU it equals this count).
 
 The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
 tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
