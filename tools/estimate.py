@@ -37,6 +37,13 @@ GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
 HEADROOM_GIB = 4.0      # CUDA context + kernels (~1), NCCL buffers (~1-2), allocator fragmentation
 TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
+# The allocator's peak (torch.cuda.max_memory_allocated, GiB) of the 1b model at batch 4 x 2048 on
+# one NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13, eager), from tools/gpu_check.py's runs 1b_fp32
+# (step1_single_gpu/train.py), 1b_amp (step2_memory/train_amp.py --amp bf16), 1b_amp_sac and
+# 1b_amp_ac (step2_memory/train_amp_ac.py --amp bf16 --ac selective / full). Keys: (dtype, ac).
+# tests/test_estimate.py holds the formulas to them.
+H100_1B_PEAKS = {("fp32", "none"): 37.60, ("bf16", "none"): 29.73, ("bf16", "selective"): 20.35,
+                 ("bf16", "full"): 18.21}
 
 
 def traceable(p: Plan) -> str | None:
@@ -375,6 +382,24 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
             t = traced.get(id(p))
             line += f" {gib(t['peak']) if isinstance(t, dict) else t} |"
         print(line)
+
+
+def h100_comparison() -> str:
+    """Markdown: the formulas beside what was measured for the four 1b runs of H100_1B_PEAKS, the
+    CUDA formula against the H100's allocator and the CPU formula against this machine's tracer
+    (a fake-tensor trace of the same step with CPU kernels: about 20 s)."""
+    from common.model import get_config
+    cfg = get_config("1b")
+    rows = ["| 1b, batch 4 x 2048, one device | H100 allocator | formula (cuda) | off | CPU trace | "
+            "formula (cpu) | off | formula's peak (cuda / cpu) |", "|---|---|---|---|---|---|---|---|"]
+    for (dtype, ac), h100 in H100_1B_PEAKS.items():
+        cuda, cpu = (Plan(cfg, "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device=d) for d in ("cuda", "cpu"))
+        fc, fp, t = predict(cuda), predict(cpu), trace(cpu)["peak"] / GiB
+        name = {"none": dtype if dtype == "fp32" else "bf16 autocast"}.get(ac, f"bf16 + {ac} AC")
+        rows.append(f"| {name} | {h100:.2f} GiB | {fc['peak'] / GiB:.2f} GiB | {fc['peak'] / GiB / h100 - 1:+.1%} | "
+                    f"{t:.2f} GiB | {fp['peak'] / GiB:.2f} GiB | {fp['peak'] / GiB / t - 1:+.1%} | "
+                    f"{fc['peak_at']} / {fp['peak_at']} |")
+    return "\n".join(rows)
 
 
 def _n_params(p: Plan) -> int:

@@ -348,6 +348,8 @@ def estimates(suffix: str = "") -> dict[str, str]:
             outs.append(out.getvalue().strip("\n"))
         text = "\n\n".join(outs)
         blocks[marker] = f"```\n{text}\n```" if fenced else text
+    from tools.estimate import h100_comparison
+    blocks["fit-h100-1b"] = h100_comparison()  # the formulas against the H100's 1b peaks
     return blocks
 
 
