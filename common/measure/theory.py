@@ -65,12 +65,15 @@ one H100 (1b, 4 x 2048; tests/test_estimate.py holds the numbers) the formula is
 1.3% of the allocator's peak for fp32 (end of forward), selective AC (end of forward) and
 full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 autocast
 without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
-identified. Two facts bound it: the fp32 run fits only if the norms' normalised x is kept
-on CUDA as on CPU (a fused RMSNorm saving x and 1/rms only would leave fp32 2 GiB short),
-and the selective run (no norm activations, same autocast) fits. Kept fp32 norm outputs
-(2 x 4d: +2.0 GiB) would close most of it, grouped k/v expanded inside attention (+0.75
-GiB) a third. ``python -m tools.saved_census --device cuda`` lists what one block keeps
-on a GPU, node by node: run it there to settle this (on CPU it equals this count).
+identified (selective AC, which keeps no norm, RoPE or SwiGLU tensors, fits).
+A caveat on the fp32 row: it fits because the CUDA count keeps each norm's normalised x,
+as the CPU's composite RMSNorm does. PyTorch's source says CUDA runs ``_fused_rms_norm``
+when input and weight share a dtype (they do here), whose backward keeps x and 1/rms
+only; if so, about 2 GiB of the fp32 peak are something else of the same size that this
+count does not name, and bf16's gap is 4.6 GiB, not 2.6. Kept fp32 norm outputs, or
+grouped k/v expanded inside flash attention, are candidates of the right size.
+``python -m tools.saved_census --device cuda`` lists what one block keeps on a GPU, node
+by node (on CPU it equals this count to the byte): one run there settles both.
 
 The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
 tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
