@@ -50,11 +50,15 @@ def census(cfg, batch: int, seq_len: int, device: str, amp: bool, ac: str = "non
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     matrices = {tuple(reversed(p.shape)) for p in block.parameters() if p.dim() == 2}
     x = torch.randn(batch, seq_len, cfg.dim, device=dev, requires_grad=True)  # the fp32 residual stream
+    before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     with torch.autocast(dev.type, torch.bfloat16, enabled=amp):
         cos, sin = rope_tables(cfg, dev)
         dtype = torch.bfloat16 if amp else torch.float32
         cos, sin = cos.to(dtype), sin.to(dtype)  # what Transformer.rope_for hands every block
         out = block(x, cos, sin)
+    # On CUDA the allocator says what the forward left behind in all (saved tensors, the block's
+    # output, anything held outside the graph): more than the census means something else keeps memory.
+    left = torch.cuda.memory_allocated(dev) - before if before is not None else None
     tables = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     seen, rows, todo, visited = set(), [], [out.grad_fn], set()
     while todo:
@@ -76,7 +80,8 @@ def census(cfg, batch: int, seq_len: int, device: str, amp: bool, ac: str = "non
             rows.append((node.name(), attr, tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes, kind))
     total = sum(r[4] for r in rows if r[5] == "activation")
     return {"rows": rows, "total": total, "weight copies": sum(r[4] for r in rows if r[5] == "weight copy"),
-            "tokens": batch * seq_len}
+            "tokens": batch * seq_len, "allocated after forward": left,
+            "output": out.untyped_storage().nbytes()}
 
 
 @main_guard
@@ -104,6 +109,10 @@ def main(argv=None):
     formula = theory.layer_activation_bytes(cfg, n, "bf16" if args.amp == "bf16" else "fp32", device=args.device)
     print(f"activations {c['total'] / n:.1f} bytes/token; theory.layer_activation_bytes {formula / n:.1f} "
           f"({c['total'] / formula:.4f}); weight copies {c['weight copies'] / 2**20:.1f} MiB")
+    if c["allocated after forward"] is not None:
+        print(f"the allocator: {c['allocated after forward'] / n:.1f} bytes/token left by the forward, of which the "
+              f"census accounts for {(c['total'] + c['weight copies'] + c['output']) / n:.1f} (activations, weight "
+              f"copies, the block's output)")
 
 
 if __name__ == "__main__":
