@@ -315,7 +315,8 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 
 
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
-# code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores.
+# code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores;
+# the H100 comparison (fit-h100-1b) traces four 1b steps more, about 15 s.
 ESTIMATES = {
     "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all"]], False),
     "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--ac", "full"]], False),
