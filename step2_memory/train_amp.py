@@ -45,8 +45,7 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy=None,
-                  title="Step 2")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2")
         batches = iter(data)
         for step in run.steps():
             with run.step(step):

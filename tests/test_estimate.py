@@ -59,8 +59,11 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
 
 @pytest.mark.parametrize("strategy,world,kw", [
     ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}), ("2d", 4, {"tp": 2}),
-    ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}),
-], ids=["single", "ddp", "fsdp", "tp", "2d", "single-ac", "single-bf16"])
+    ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}), ("single", 1, {"ac": "selective"}),
+    ("single", 1, {"dtype": "bf16", "ac": "selective"}), ("single", 1, {"dtype": "bf16", "ac": "full"}),
+    ("tp", 2, {"ac": "selective"}),
+], ids=["single", "ddp", "fsdp", "tp", "2d", "single-ac", "single-bf16", "single-sac", "single-bf16-sac",
+        "single-bf16-ac", "tp-sac"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
         plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
@@ -69,7 +72,7 @@ def test_trace_agrees_with_the_formula(strategy, world, kw):
             assert t[c] == pytest.approx(f[c], rel=0.01), (cfg, c)
         # TP: the vocabulary-split embedding's gradient is traced at twice its shard (documented)
         assert t["gradients"] == pytest.approx(f["gradients"], rel=0.08 if strategy in ("tp", "2d") else 0.01)
-        band = 0.05 if kw.get("dtype") == "bf16" else 0.02
+        band = 0.01 if strategy == "single" else 0.02
         assert t["activations"] == pytest.approx(f["activations"], rel=band), (cfg, kw)
 
 
@@ -141,3 +144,66 @@ def test_bad_input_exit_code_from_the_command_line():
     r = subprocess.run([sys.executable, "-m", "tools.estimate", "--strategy", "zero9"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --strategy")
+
+
+# ---- the formula against a GPU ------------------------------------------------------------------
+# Measured on one NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13, eager), 1b preset, batch 4 x 2048,
+# one device: torch.cuda.max_memory_allocated over the traced steps of tools/gpu_check.py's runs
+#   1b_fp32      python step1_single_gpu/train.py --model 1b --global-batch-size 4 --seq-len 2048
+#   1b_amp       python step2_memory/train_amp.py --amp bf16 (same model and batch)
+#   1b_amp_sac   python step2_memory/train_amp_ac.py --amp bf16 --ac selective
+#   1b_amp_ac    python step2_memory/train_amp_ac.py --amp bf16 --ac full
+# (the categorized tracer matched these within 0.2%). The formula must stay within 3% of them:
+#   python -m tools.estimate --model 1b --strategy single --batch 4 --seq-len 2048 --dtype ... --ac ...
+H100_1B = {  # (dtype, ac): allocator peak in GiB
+    ("fp32", "none"): 37.60,
+    ("bf16", "none"): 29.73,
+    ("bf16", "selective"): 20.35,
+    ("bf16", "full"): 18.21,
+}
+UNEXPLAINED = {("bf16", "none"): "the formula is 2.6 GiB (8.7%) under: autocast without checkpointing keeps "
+                                 "more on CUDA than the CPU-verified count; not yet found (see theory.py)"}
+
+
+@pytest.mark.parametrize("dtype,ac", [
+    pytest.param(*k, marks=pytest.mark.xfail(strict=True, reason=UNEXPLAINED[k])) if k in UNEXPLAINED else k
+    for k in H100_1B], ids=[f"{d}-{a}" for d, a in H100_1B])
+def test_cuda_formula_within_3_percent_of_the_h100_allocator(dtype, ac):
+    from tools.estimate import H100_1B_PEAKS
+    assert H100_1B_PEAKS == H100_1B  # the README's table quotes the estimator's copy: the same numbers
+    plan = theory.Plan(get_config("1b"), "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device="cuda")
+    p = theory.predict(plan)
+    measured = H100_1B[dtype, ac] * 2**30
+    print(f"{dtype} AC {ac}: formula {p['peak'] / 2**30:.2f} GiB at the {p['peak_at']}, H100 {H100_1B[dtype, ac]} GiB")
+    assert p["peak"] == pytest.approx(measured, rel=0.03)
+
+
+def test_where_the_1b_peaks_fall_and_what_is_device_specific():
+    """Full AC's peak is the optimizer step on CUDA: 16N of model state plus foreach AdamW's
+    sqrt(v) for every parameter at once (4N), 20N = 18.15 GiB, what the H100 trace showed; on a
+    CPU AdamW updates one tensor at a time and the peak moves to the end of backward. In fp32
+    on CUDA attention saves k and v copied to all 32 heads, 4 x the 8 kv heads' width."""
+    cfg, n = get_config("1b"), count_params(get_config("1b"))
+    kw = dict(batch=4, seq_len=2048, dtype="bf16", ac="full")
+    cuda = theory.predict(theory.Plan(cfg, "single", device="cuda", **kw))
+    cpu = theory.predict(theory.Plan(cfg, "single", device="cpu", **kw))
+    assert cuda["peak_at"] == "optimizer step" and cpu["peak_at"] == "end of backward"
+    assert cuda["optimizer temporaries"] == pytest.approx(4 * n, rel=1e-6) and cpu["optimizer temporaries"] == 0
+    assert cuda["peak"] == pytest.approx(20 * n, rel=1e-6)
+    tokens, d, kv = 8192, cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {dev: theory.layer_activation_bytes(cfg, tokens, "fp32", device=dev) for dev in ("cpu", "cuda")}
+    assert per_layer["cuda"] - per_layer["cpu"] == tokens * 4 * 2 * (d - kv)
+    # bf16 keeps grouped k/v on both (the flash kernels take them as they are)
+    assert len({theory.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}) == 1
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_saved_tensor_census_of_one_block_is_the_formula(amp):
+    """tools/saved_census.py reads what autograd keeps from one block, node by node: on this CPU
+    its total is theory's per-block count to the byte. (On a GPU the same command shows what
+    CUDA's kernels keep; the bf16 row above is what it is for.)"""
+    from tools.saved_census import census
+    c = census(SMALL, 2, 128, "cpu", amp)
+    assert c["total"] == theory.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
+    d, kv, f = SMALL.dim, SMALL.n_kv_heads * SMALL.head_dim, SMALL.ffn_dim
+    assert c["weight copies"] == (2 * (2 * d * d + 2 * d * kv + 3 * d * f) if amp else 0)  # the block's bf16 copies

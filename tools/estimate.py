@@ -37,6 +37,13 @@ GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
 HEADROOM_GIB = 4.0      # CUDA context + kernels (~1), NCCL buffers (~1-2), allocator fragmentation
 TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
+# The allocator's peak (torch.cuda.max_memory_allocated, GiB) of the 1b model at batch 4 x 2048 on
+# one NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13, eager), from tools/gpu_check.py's runs 1b_fp32
+# (step1_single_gpu/train.py), 1b_amp (step2_memory/train_amp.py --amp bf16), 1b_amp_sac and
+# 1b_amp_ac (step2_memory/train_amp_ac.py --amp bf16 --ac selective / full). Keys: (dtype, ac).
+# tests/test_estimate.py holds the formulas to them.
+H100_1B_PEAKS = {("fp32", "none"): 37.60, ("bf16", "none"): 29.73, ("bf16", "selective"): 20.35,
+                 ("bf16", "full"): 18.21}
 
 
 def traceable(p: Plan) -> str | None:
@@ -64,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
-    p.add_argument("--ac", default="none", choices=("none", "full"), help="activation checkpointing (default: none)")
+    p.add_argument("--ac", default="none", choices=("none", "full", "selective"),
+                   help="activation checkpointing (default: none)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="whose kernels the formulas assume: attention's saved tensors and AdamW's "
+                        "temporaries differ (default: cuda)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
@@ -108,7 +119,7 @@ def plans(args) -> list[Plan]:
     cfg = get_config(args.model, n_layers=args.n_layers)
     w = args.world_size
     batch = args.batch or w
-    common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac,
+    common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac, device=args.device,
                   microbatches=args.microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel)
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
@@ -203,9 +214,9 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     from common.parallelize.pp import prune_to_stage, schedule_order
 
     model = prune_to_stage(Transformer(p.cfg), rank, p.pp)
-    if p.ac == "full":
+    if p.ac != "none":
         from common.parallelize.ac import apply_ac
-        apply_ac(model, "full")
+        apply_ac(model, p.ac)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
     m = p.microbatches or p.pp
@@ -250,8 +261,8 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
 
     device = torch.device("cpu")
     model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
-    if p.ac == "full":
-        apply_ac(model, "full")
+    if p.ac != "none":
+        apply_ac(model, p.ac)
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
     if p.strategy in ("tp", "2d"):
         from common.parallelize.tp import apply_tp
@@ -324,12 +335,14 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None):
     est = worst_rank(p)
     _unit(est["peak"])
     print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
-          f"AC {p.ac}; rank {est['rank']}, {UNIT[1]}")
+          f"AC {p.ac}, {p.device} kernels; rank {est['rank']}, {UNIT[1]}")
     rows = [(c, est[c], traced and traced[c]) for c in CATEGORIES]
     rows += [(k, v, None) for k, v in est["transient"].items()]
+    if est["optimizer temporaries"]:
+        rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], None))
     if traced:
         rows.append(("other (traced: temporaries)", None, traced["other"]))
-    rows.append(("peak", est["peak"], traced and traced["peak"]))
+    rows.append((f"peak ({est['peak_at']})", est["peak"], traced and traced["peak"]))
     w = max(len(r[0]) for r in rows)
     print(f"  {'':<{w}}  {'formula':>10}" + (f"  {'trace':>10}  {'trace/formula':>13}" if traced else ""))
     for name, f, t in rows:
@@ -369,6 +382,24 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
             t = traced.get(id(p))
             line += f" {gib(t['peak']) if isinstance(t, dict) else t} |"
         print(line)
+
+
+def h100_comparison() -> str:
+    """Markdown: the formulas beside what was measured for the four 1b runs of H100_1B_PEAKS, the
+    CUDA formula against the H100's allocator and the CPU formula against this machine's tracer
+    (a fake-tensor trace of the same step with CPU kernels: about 20 s)."""
+    from common.model import get_config
+    cfg = get_config("1b")
+    rows = ["| 1b, batch 4 x 2048, one device | H100 allocator | formula (cuda) | off | CPU trace | "
+            "formula (cpu) | off | formula's peak (cuda / cpu) |", "|---|---|---|---|---|---|---|---|"]
+    for (dtype, ac), h100 in H100_1B_PEAKS.items():
+        cuda, cpu = (Plan(cfg, "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device=d) for d in ("cuda", "cpu"))
+        fc, fp, t = predict(cuda), predict(cpu), trace(cpu)["peak"] / GiB
+        name = {"none": dtype if dtype == "fp32" else "bf16 autocast"}.get(ac, f"bf16 + {ac} AC")
+        rows.append(f"| {name} | {h100:.2f} GiB | {fc['peak'] / GiB:.2f} GiB | {fc['peak'] / GiB / h100 - 1:+.1%} | "
+                    f"{t:.2f} GiB | {fp['peak'] / GiB:.2f} GiB | {fp['peak'] / GiB / t - 1:+.1%} | "
+                    f"{fc['peak_at']} / {fp['peak_at']} |")
+    return "\n".join(rows)
 
 
 def _n_params(p: Plan) -> int:

@@ -404,7 +404,8 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 
 
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
-# code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores.
+# code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores;
+# the H100 comparison (fit-h100-1b) traces four 1b steps more, about 15 s.
 ESTIMATES = {
     "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all"]], False),
     "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--ac", "full"]], False),
@@ -437,6 +438,8 @@ def estimates(suffix: str = "") -> dict[str, str]:
             outs.append(out.getvalue().strip("\n"))
         text = "\n\n".join(outs)
         blocks[marker] = f"```\n{text}\n```" if fenced else text
+    from tools.estimate import h100_comparison
+    blocks["fit-h100-1b"] = h100_comparison()  # the formulas against the H100's 1b peaks
     return blocks
 
 

@@ -25,18 +25,30 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
                 k and v (2kv), the residual after attention (d), the MLP's w1, silu, w3
                 and product (4f), attention's log-sum-exp (h) and the two norms' 1/rms (2).
                 RoPE saves nothing but its tables (they need no gradient).
+                On CUDA (``device="cuda"``) k and v count d each, not kv: CUDA's fp32
+                attention kernel (memory-efficient) has no grouped-query support, so the
+                model copies k and v to every query head and attention saves the copies.
+                The flash and memory-efficient kernels save q, k, v, the output and the
+                log-sum-exp (plus a few bytes of RNG state), never the seq x seq scores,
+                like the CPU's flash kernel: that part is the same on both devices.
   bf16 (AMP)    24d + 4kv + 8f + 4h + 8 bytes under torch.autocast: the residual stream
                 and the norms stay fp32 (the block input, normalised x, residual: 4 x 4d),
                 each norm's output is cast to bf16 once and that copy is what its
                 projections save (2 x 2d), q/out 2 x 2d, k/v 2 x 2kv, the MLP 4 x 2f, lse
                 4h, the norms' 1/rms 8; plus, per step, a bf16 copy of every weight
                 matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables,
-                cast to bf16 once per forward (4 x max_seq_len x head_dim).
-                On CUDA the fused RMSNorm's backward needs x and 1/rms only, so it should
-                keep the normalised x (4d per norm) less than this CPU count (not yet
-                measured on a GPU).
+                cast to bf16 once per forward (4 x max_seq_len x head_dim). The same on
+                CUDA (flash takes grouped k/v as they are).
+  selective AC  4d + b(4d + 2kv + 2f) + 4h, b = 2 (bf16) or 4 (fp32): what
+                common/parallelize/ac.py's policy keeps, the block input (fp32) and the
+                outputs of the matmuls (wq, wk, wv, wo, w1, w3, w2) and of attention (its
+                output and log-sum-exp); norms, RoPE, SiLU, the product and the residual
+                adds are recomputed. Exact against the CPU tracer.
   full AC       the block input only: 4d (fp32 residual stream, also under autocast);
                 backward recomputes one block at a time (a transient, not an activation).
+  With AC, autocast's weight copies of the checkpointed blocks are saved by nothing:
+  they live in autocast's cache until the autocast region ends (after the loss), a
+  transient at the end of forward, not an activation.
 
 Outside the blocks: the input batch (x and y, int64: 16 bytes/token), the final norm
 (12d + 4 bytes in fp32), the logits and cross entropy's log-probabilities (4V + 4V; the
@@ -45,10 +57,29 @@ training loop holds ``logits`` until backward). Tensor parallelism divides what 
 divides the norms' share. Pipeline stages keep the activations of the micro-batches in
 flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
 
-The measured band (tests/test_estimate.py, CPU): fp32 within 1% of the tracer's
-activations for the debug and small presets, full AC within 2%, bf16 autocast within 5%.
-The bf16 formula is autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no
-autocast) saves less (no weight copies, one input cast): there it is an upper bound.
+The peak is the largest of four moments (``_peak``): the end of forward (no gradients yet
+when the last step freed them, autocast's cache still full), the start of backward (one
+block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
+default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). On
+one H100 (1b, 4 x 2048; tests/test_estimate.py holds the numbers) the formula is within
+1.3% of the allocator's peak for fp32 (end of forward), selective AC (end of forward) and
+full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 autocast
+without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
+identified (selective AC, which keeps no norm, RoPE or SwiGLU tensors, fits).
+A caveat on the fp32 row: it fits because the CUDA count keeps each norm's normalised x,
+as the CPU's composite RMSNorm does. PyTorch's source says CUDA runs ``_fused_rms_norm``
+when input and weight share a dtype (they do here), whose backward keeps x and 1/rms
+only; if so, about 2 GiB of the fp32 peak are something else of the same size that this
+count does not name, and bf16's gap is 4.6 GiB, not 2.6. Kept fp32 norm outputs, or
+grouped k/v expanded inside flash attention, are candidates of the right size.
+``python -m tools.saved_census --device cuda`` lists what one block keeps on a GPU, node
+by node (on CPU it equals this count to the byte): one run there settles both.
+
+The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
+tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
+peak within -5%/+10% (backward's own temporaries are left out). The bf16 formula is
+autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no autocast) saves less
+(no weight copies, one input cast): there it is an upper bound.
 """
 from __future__ import annotations
 
@@ -271,11 +302,28 @@ def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank:
 
 # ---- activations ----------------------------------------------------------------------------
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", ac: str = "none", tp: int = 1,
-                           sequence_parallel: bool = False) -> int:
-    """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes)."""
+                           sequence_parallel: bool = False, device: str = "cpu") -> int:
+    """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes).
+
+    ``device`` matters in one place: in fp32 on CUDA with grouped-query attention the model
+    copies k and v to every query head before attention (common/model.py: CUDA's fp32 kernel
+    has no GQA), so attention saves k and v at the width of q, d, instead of kv.
+    """
     d, f, h, kv = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads * cfg.head_dim
+    b = 4 if dtype == "fp32" else 2
     if ac == "full":
         return 4 * d * tokens // (tp if sequence_parallel else 1)
+    if ac == "selective":
+        # common/parallelize/ac.py keeps the block input (the checkpoint's argument, fp32 residual
+        # stream) and the outputs of the matmuls and of attention; everything else is recomputed.
+        # Sharded over heads and MLP units: wq, wk, wv (kv: before any GQA copy, which is
+        # recomputed), attention's output and log-sum-exp, w1, w3. Full width on every TP rank:
+        # wo's and w2's local products (partial sums, reduced after the matmul).
+        replicated, sharded = b * 2 * d, b * (2 * d + 2 * kv + 2 * f) + 4 * h
+        block_input = 4 * d // (tp if sequence_parallel else 1)
+        return tokens * (block_input + replicated + sharded // tp)
+    if device == "cuda" and dtype == "fp32":
+        kv = d  # the k and v attention saves: copied to every query head (no change without GQA)
     if dtype == "fp32":
         # replicated: the norms' inputs, normalised x, outputs and 1/rms; sharded over
         # heads and MLP units: q, attention's output, k, v, the MLP's four, lse
@@ -328,16 +376,19 @@ class Plan:
     seq_len: int = 256
     dtype: str = "fp32"
     ac: str = "none"
+    ac_every: int = 1                 # checkpoint every k-th block (common/parallelize/ac.py:apply_ac)
     accum: int = 1
     microbatches: int | None = None   # pipeline micro-batches (default: pp)
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     loss_parallel: bool = True
+    device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
     notes: list = field(default_factory=list)
-    ac_every: int = 1                 # --ac-every: every k-th block checkpointed
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
+        if self.dtype == "fp16":  # autocast to fp16 keeps the same 2-byte copies as bf16
+            self.dtype = "bf16"
         if self.strategy == "tp" and self.tp == 1:
             self.tp = self.world
         if self.strategy == "pp" and self.pp == 1:
@@ -374,6 +425,39 @@ def rank_shapes(plan: Plan, rank: int) -> dict[str, tuple[int, ...]]:
     return tp_shapes(shapes, plan.tp)
 
 
+def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
+    """The step's peak: the largest of three moments.
+
+    - end of forward: parameters, AdamW state, every activation and autocast's cache of
+      bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
+      are not there yet when the previous step freed them (``zero_grad(set_to_none=True)``
+      with one micro-batch and no DDP); DDP keeps its gradient buckets, accumulation and
+      pipelines keep the gradients of the earlier micro-batches.
+    - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
+    - end of backward: every gradient, and the first block rebuilt (what matters under full
+      AC, where the activations are small and the gradients are not);
+    - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
+      AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
+      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time.
+    FSDP's gathered weights and unsharded gradients count at the first two.
+    Returns (peak, which moment, the optimizer's temporaries).
+    """
+    state_bytes = out["optimizer state"]
+    grads_live = kind in ("ddp", "zero1") or plan.accum > 1 or plan.pp > 1
+    base = out["parameters"] + state_bytes + out["activations"] + (out["gradients"] if grads_live else 0)
+    base += sum(v for k, v in transient.items() if "FSDP" in k)
+    cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
+    rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
+    # half the state: one fp32 value a parameter (the few bytes of step counters aside)
+    temporaries = state_bytes // 2 if plan.device == "cuda" else 0
+    full = out["parameters"] + out["gradients"] + state_bytes
+    moments = {"end of forward": base + cache, "start of backward": base + rebuilt,
+               "end of backward": full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
+               "optimizer step": full + temporaries}
+    at = max(moments, key=moments.get)
+    return moments[at], at, temporaries
+
+
 def predict(plan: Plan, rank: int = 0) -> dict:
     """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
     cfg, kind = plan.cfg, plan.dp_kind
@@ -390,23 +474,35 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     tokens = seqs * plan.seq_len
     in_flight = 1 if plan.pp == 1 else m if plan.schedule == "gpipe" else min(m, plan.pp - stage + (loops - 1) * plan.pp)
     n_layers = sum(1 for k in shapes if k.endswith("attention_norm.weight"))
-    checkpointed = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)  # the others keep everything
-    act = (checkpointed * layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
-           + (n_layers - checkpointed) * layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp,
-                                                                plan.sequence_parallel))
+    # apply_ac checkpoints the blocks whose position in model.layers is a multiple of ac_every
+    # (a pipeline stage counts its own blocks from 0); the others keep everything
+    checkpointed = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
+    act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device)
+              for k, ac in ((checkpointed, plan.ac), (n_layers - checkpointed, "none")) if k)
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
     act *= in_flight
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
+    transient = {}
     if plan.dtype == "bf16":
         if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
-            act += amp_weight_copies(shapes)
+            # autocast caches one bf16 copy of each weight until the autocast region ends (after
+            # the loss). Matmuls outside a checkpoint save theirs for backward: activations. A
+            # checkpointed block's matmuls save nothing, so its copies die when the cache is
+            # cleared: at the end of forward they are still there (a transient), in backward
+            # they are cast again one block at a time.
+            copies = amp_weight_copies(shapes)
+            blocks = sorted({int(k.split(".")[1]) for k in shapes if k.startswith("layers.")})
+            ckpt = {f"layers.{b}." for i, b in enumerate(blocks) if plan.ac != "none" and i % plan.ac_every == 0}
+            kept = amp_weight_copies({k: v for k, v in shapes.items() if not k.startswith(tuple(ckpt) or "\0")})
+            act += kept
+            if copies > kept:
+                transient["autocast weight copies (until the loss)"] = copies - kept
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
-    transient = {}
     block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == str(
         min(int(x.split(".")[1]) for x in shapes if x.startswith("layers.")))} if n_layers else {}
     block_n = sum(math.prod(s) for s in block.values())
@@ -418,11 +514,14 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
         transient["gathered parameters (FSDP)"] = pbytes * gathered
         transient["unsharded gradients (FSDP)"] = 4 * 2 * block_n
-    if plan.ac == "full" and n_layers:
-        transient["one block recomputed (AC)"] = layer_activation_bytes(
-            cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel)
+    if plan.ac in ("full", "selective") and n_layers:
+        # backward rebuilds one block at a time: all of it (full), or what selective AC dropped
+        rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
+        if plan.ac == "selective":
+            rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, "selective", plan.tp, plan.sequence_parallel)
+        transient[f"one block recomputed ({plan.ac} AC)"] = rebuilt
     out["transient"] = transient
-    out["peak"] = sum(out[c] for c in CATEGORIES) + sum(transient.values())
+    out["peak"], out["peak_at"], out["optimizer temporaries"] = _peak(plan, kind, fsdp, out, transient)
 
     comm = {}
     if plan.dp > 1:
@@ -455,15 +554,16 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     if not ctx.is_main:
         return None
     from common.measure.memory import fmt_bytes
+    plan_kwargs.setdefault("device", "cuda" if ctx.device.type == "cuda" else "cpu")
     plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
                 seq_len=args.seq_len, **plan_kwargs)
     ranks = [m["rank"] for m in memory] if memory else [0]
-    out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "per_rank": []}
+    out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "device": plan.device, "per_rank": []}
     print(f"  predicted (common/measure/theory.py) vs measured, {plan.strategy}:", flush=True)
     for r in ranks:
         p = predict(plan, r)
         m = next((x for x in memory or [] if x["rank"] == r), None)
-        row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "comm": p["comm"]}
+        row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "peak": p["peak"], "peak_at": p["peak_at"], "comm": p["comm"]}
         cells = []
         for c in CATEGORIES:
             if m is None:
@@ -473,6 +573,13 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
                 else m["peak_by_category"][c]
             row[f"measured {c}"] = seen
             cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
+        # the whole step's peak, and when the formulas put it (on CUDA the allocator's own peak
+        # is the number to hold them to; the tracer counts the same tensors within 0.2%)
+        seen = m and (m.get("allocator_peak_bytes") or m["peak_bytes"])
+        if seen:
+            row["measured peak"] = seen
+        cells.append(f"peak {fmt_bytes(p['peak'])} ({p['peak_at']})"
+                     + (f" vs {fmt_bytes(seen)} ({seen / p['peak']:.3f})" if seen else ""))
         out["per_rank"].append(row)
         who = f"rank {r}" if len(ranks) > 1 else "one rank"
         if r in (ranks[0], ranks[-1]) or len(ranks) <= 4:
