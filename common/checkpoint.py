@@ -105,6 +105,32 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+# What a checkpoint's numbers depend on, as (meta.json key, flag, default for checkpoints
+# written before the key was saved). The parallel layout, --steps (raising it is how a finished
+# run continues) and the pipeline schedule are not here: DCP reshards by parameter name, and
+# none of them changes the numbers already trained.
+RUN_SETTINGS = (("model", "--model", None), ("n_layers", "--n-layers", None),
+                ("global_batch_size", "--global-batch-size", None), ("seq_len", "--seq-len", None),
+                ("lr", "--lr", None), ("warmup_steps", "--warmup-steps", None), ("data", "--data", None),
+                ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1))
+
+
+def config_differences(meta: dict, args) -> list[str]:
+    """'--lr 0.001 there, 0.003 here' for every setting the checkpoint's run had otherwise."""
+    saved = dict(meta)
+    saved.setdefault("n_layers", (meta.get("model_config") or {}).get("n_layers"))
+    saved.setdefault("grad_accum", meta.get("grad_accum_steps", 1))  # the data position counts micro-batches
+    here = {"n_layers": args.model_config.n_layers, "grad_accum": getattr(args, "grad_accum", 1)}
+    diff = []
+    for key, flag, default in RUN_SETTINGS:
+        there, now = saved.get(key, default), here.get(key, getattr(args, key, None))
+        if there is not None and there != now:
+            diff.append(f"{flag} {there} there, {now} here")
+    if not diff and meta.get("model_config") not in (None, args.model_config.as_dict()):
+        diff.append(f"--model {meta.get('model')} there had another shape than --model {args.model} here")
+    return diff
+
+
 def complete_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints in ``folder``, oldest first."""
     if not folder.is_dir():
@@ -188,9 +214,13 @@ class Checkpointer:
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> int:
         """Load the newest complete checkpoint if ``--resume``; return the first step to run."""
-        if not self.args.resume:
-            return 0
         found = complete_checkpoints(self.folder)
+        if not self.args.resume:
+            if self.args.ckpt_every and found:
+                # This run's checkpoints would sit beside another run's, and a later --resume
+                # would pick whichever is newest: refuse a mix before anything is written.
+                self._check_compatible(found[-1], read_meta(found[-1]))
+            return 0
         if not found:
             self.ctx.print(f"--resume: no complete checkpoint in {self.folder} yet, starting from step 0")
             return 0
@@ -228,21 +258,14 @@ class Checkpointer:
         return meta["step"] + 1
 
     def _check_compatible(self, path: Path, meta: dict):
-        a = self.args
-        if meta["model_config"] != a.model_config.as_dict():
-            raise UserError(f"checkpoint {path} holds a {meta['model']!r} model with a different shape than "
-                            f"--model {a.model}; resume with the same --model (and --n-layers) or pick another --out.")
-        # The learning rate too: the schedule's state would silently keep the saved one.
-        for key, flag in (("global_batch_size", "--global-batch-size"), ("seq_len", "--seq-len"),
-                          ("seed", "--seed"), ("data", "--data"), ("lr", "--lr"), ("warmup_steps", "--warmup-steps")):
-            if key in meta and meta[key] != getattr(a, key):
-                raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
-                                f"{getattr(a, key)}; use the same value to continue exactly.")
-        # The data position counts loader batches of global_batch_size / grad_accum (step 3).
-        accum, saved = getattr(a, "grad_accum", 1), meta.get("grad_accum", meta.get("grad_accum_steps", 1))
-        if saved != accum:
-            raise UserError(f"checkpoint {path} was trained with --grad-accum {saved}, "
-                            f"this run asks for {accum}; use the same value to continue exactly.")
+        """Refuse a checkpoint of another run, naming every setting that differs in one
+        sentence: one at a time, a person fixes a flag, reruns, and meets the next."""
+        diff = config_differences(meta, self.args)
+        if diff:
+            out = Path(self.args.out)
+            raise UserError(f"--out {out} holds a checkpoint of another run ({path.name}): {'; '.join(diff)}. "
+                            f"Resume with the same flags, or use another --out, or delete {out / 'checkpoints'} "
+                            f"to start over.")
         # No check on the parallel layout: every part is saved by parameter name (pipeline
         # stages keep the full model's layer names), so any split loads into any other.
 
