@@ -46,17 +46,24 @@ class Dist:
         shape, names = shape or (self.world_size,), names or ("dp",)
         key = (shape, names)
         if key not in self.meshes:
-            if any(s < 1 for s in shape):
-                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
-                                f"at least 1.")
-            size = 1
-            for s in shape:
-                size *= s
-            if size != self.world_size:
-                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}) needs {size} ranks "
-                                f"but {self.world_size} were launched; make the product equal the world size.")
+            check_mesh(shape, names, self.world_size)
             self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self.meshes[key]
+
+
+def check_mesh(shape: tuple[int, ...], names: tuple[str, ...], world_size: int, launched: str = "were launched"):
+    """A mesh must tile the ranks exactly. One function, so that tools/estimate.py refuses
+    the layouts the scripts refuse with the same sentence (``launched`` says where the
+    world size came from)."""
+    if any(s < 1 for s in shape):
+        raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
+                        f"at least 1.")
+    size = 1
+    for s in shape:
+        size *= s
+    if size != world_size:
+        raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}) needs {size} ranks "
+                        f"but {world_size} {launched}; make the product equal the world size.")
 
 
 def _env_int(name: str, default: int) -> int:

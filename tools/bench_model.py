@@ -43,6 +43,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import os as _os, sys as _sys  # noqa: E401 - run as a file (python tools/x.py), common/ is not on the path
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
 from common.model import ModelConfig, Transformer, TransformerBlock, get_config
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul"}

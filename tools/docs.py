@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os as _os, sys as _sys  # noqa: E401 - run as a file (python tools/x.py), common/ is not on the path
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
 from common import ROOT
 
 DOCS = ["README.md", "step1_single_gpu/README.md", "step2_memory/README.md", "step3_multi_gpu/README.md",
