@@ -72,6 +72,9 @@ def add_flags(p: argparse.ArgumentParser):
                    help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
 
 
+PG_TIMEOUT_RANGE = (1, 30 * 24 * 3600)
+
+
 def check_flags(args):
     if args.ckpt_every < 0:
         raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
@@ -81,6 +84,11 @@ def check_flags(args):
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
     if not math.isfinite(args.pg_timeout):
         raise UserError(f"--pg-timeout must be a finite number of seconds (got {args.pg_timeout}).")
+    if not PG_TIMEOUT_RANGE[0] <= args.pg_timeout <= PG_TIMEOUT_RANGE[1]:
+        # Below a second every collective "times out" while the ranks are still starting;
+        # far above, the timedelta overflows inside c10d (1e300 s was a deep traceback).
+        raise UserError(f"--pg-timeout {args.pg_timeout:g} is out of range: give between {PG_TIMEOUT_RANGE[0]} and "
+                        f"{PG_TIMEOUT_RANGE[1]} seconds (30 days).")
     if args.fail_at_step is not None and not 0 <= args.fail_at_step < args.steps:
         raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
     if args.fail_rank < 0:
@@ -196,20 +204,47 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
             partial.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(self._state(), checkpoint_id=str(partial))
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
-                   partial / f"rng_rank{self.ctx.rank}.pt")
-        dist.barrier()  # every rank's files are on disk before the checkpoint is declared
+        error = None
+        try:
+            dcp.save(self._state(), checkpoint_id=str(partial))
+            torch.save({"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
+                       partial / f"rng_rank{self.ctx.rank}.pt")
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a folder gone read-only
+            # (DCP's CheckpointException derives from BaseException, not Exception)
+            error = e
+        self._all_ok(error, partial, step)  # every rank's files are on disk before the checkpoint is declared
         if self.ctx.is_main:
-            (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
-            if final.exists():  # the same step again (a resumed run): replace it whole
-                shutil.rmtree(final)
-            os.replace(partial, final)  # atomic: complete or absent, never half
+            try:
+                (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
+                if final.exists():  # the same step again (a resumed run): replace it whole
+                    shutil.rmtree(final)
+                os.replace(partial, final)  # atomic: complete or absent, never half
+            except OSError as e:
+                error = e
+        self._all_ok(error, partial, step)
+        if self.ctx.is_main:
             for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
+
+    def _all_ok(self, error: BaseException | None, partial: Path, step: int):
+        """A barrier that also agrees on failure: a rank that could not write must not leave
+        the others waiting for it until --pg-timeout. Every rank then stops with one sentence;
+        the half-written folder goes, the complete checkpoints before it stay."""
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.ctx.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return
+        if self.ctx.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = complete_checkpoints(self.folder)
+        why = (str(error).strip().splitlines() or [type(error).__name__])[-1][:200] if error is not None \
+            else "another rank could not write its part"
+        raise UserError(f"the checkpoint of step {step} could not be written to {partial} ({why}); "
+                        + (f"the last good checkpoint, {kept[-1]}, is kept" if kept else "no earlier checkpoint exists")
+                        + "; free some space or make the folder writable, then --resume.")
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> int:
@@ -322,7 +357,6 @@ def lock_out(args, ctx) -> Path | None:
     taken over; so is one of this very process (a harness running several scripts)."""
     verdict, path = None, Path(args.out) / LOCK
     if ctx.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
         try:
             pid, owner = path.read_text().split()[:2]

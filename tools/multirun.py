@@ -77,7 +77,18 @@ def main():
     p.add_argument("--runs", required=True, help='[{"name": ..., "script": ..., "argv": [...]}, ...]')
     args = p.parse_args()
     main_rank = os.environ.get("RANK", "0") == "0"
-    for run in json.loads(args.runs):
+    from common.errors import UserError
+    try:
+        runs = json.loads(args.runs)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--runs is not JSON ({e}); give a list of {{\"name\", \"script\", \"argv\"}}.") from None
+    for run in runs if isinstance(runs, list) else [None]:
+        if not (isinstance(run, dict) and {"name", "script", "argv"} <= run.keys()):
+            raise UserError(f"--runs: {run!r} is not a {{\"name\", \"script\", \"argv\"}} object; give a list of them.")
+        if not (ROOT / run["script"]).is_file():
+            raise UserError(f"--runs: script {run['script']!r} is not a file of this repository (give it relative "
+                            f"to {ROOT}).")
+    for run in runs:
         if main_rank:
             print(f"[multirun] start {run['name']}", flush=True)
         code, _ = run_script(run["script"], run["argv"])
@@ -90,4 +101,5 @@ def main():
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from tools import multirun  # this file again, as tools.multirun: scripts that import it share its state
-    multirun.main()
+    from common.errors import main_guard
+    main_guard(multirun.main)()
