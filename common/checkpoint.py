@@ -200,11 +200,14 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
-        if self.ctx.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
-            partial.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
         error = None
+        if self.ctx.is_main:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
+                partial.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                error = e
+        self._all_ok(error, partial, step)
         try:
             dcp.save(self._state(), checkpoint_id=str(partial))
             torch.save({"cpu": torch.get_rng_state(),

@@ -369,12 +369,13 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
 from step3_multi_gpu.tables import write_chapter3a_table, write_clip_table  # noqa: E402
 
 from step4_multi_node.tables import write_faults_table  # noqa: E402
+from tools.misuse import table as misuse_table  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
               ("03", chapter3_compare), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
-              ("estimates", estimates), ("gpu", gpu_check_report)]
+              ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
 
 
 def update_readme(tables: dict[str, str]):
@@ -508,7 +509,7 @@ def main(argv=None):
             or (args.only and r.name.startswith(args.only))]
     if not todo and not any(prefix.startswith(args.only) for prefix, _ in POST_STEPS):
         print(f"error: no figure or run name starts with {args.only!r}; figure names start with 01, 02, 03, 04 "
-              f"or 05 (see figs/), and --only estimates redoes the estimator's answers", file=sys.stderr)
+              f"or 05 (see figs/), --only estimates redoes the estimator's answers, --only misuse the troubleshooting table", file=sys.stderr)
         sys.exit(2)
     if args.device == "cuda":
         import torch

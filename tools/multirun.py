@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not on the path yet
+sys.path.insert(0, str(ROOT))
+
+from common.errors import UserError, main_guard  # noqa: E402
 _state = {"count": 0, "store": None}
 
 
@@ -66,6 +69,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     return code, err.getvalue()
 
 
+@main_guard
 def main():
     """``torchrun --nproc-per-node N tools/multirun.py --runs JSON``: runs one after another
     in this job. JSON is a list of {"name", "script", "argv"}; ``python -m tools.figures``
@@ -77,7 +81,6 @@ def main():
     p.add_argument("--runs", required=True, help='[{"name": ..., "script": ..., "argv": [...]}, ...]')
     args = p.parse_args()
     main_rank = os.environ.get("RANK", "0") == "0"
-    from common.errors import UserError
     try:
         runs = json.loads(args.runs)
     except json.JSONDecodeError as e:
@@ -99,7 +102,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     from tools import multirun  # this file again, as tools.multirun: scripts that import it share its state
-    from common.errors import main_guard
-    main_guard(multirun.main)()
+    multirun.main()
