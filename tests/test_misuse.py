@@ -25,14 +25,18 @@ LIMIT_S = 30  # per in-process case; the slowest (a checkpoint written, then ref
 @pytest.fixture(scope="module")
 def torchrun_job(tmp_path_factory):
     """The two-rank cases in one torchrun job, started now and collected by the tests at the end."""
-    out = tmp_path_factory.mktemp("misuse_torchrun") / "results.json"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "tools/misuse.py", "--worker", ",".join(TWO), "--json", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = tmp_path_factory.mktemp("misuse_torchrun")
+    out = folder / "results.json"
+    # into a file, not a pipe: nobody reads a pipe while the in-process cases run, and a
+    # full one would stall the job
+    with open(folder / "log.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "tools/misuse.py", "--worker", ",".join(TWO), "--json", str(out)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     yield proc, out
     if proc.poll() is None:
         proc.kill()
-        proc.communicate()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +101,11 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_last_good_one(tmp_path, m
 def test_two_rank_misuse_ends_on_every_rank_with_one_sentence(torchrun_job):
     proc, out = torchrun_job
     try:
-        _, err = proc.communicate(timeout=240)  # a hang would end here, as a failure
+        proc.wait(timeout=240)  # a hang would end here, as a failure
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the two-rank misuse cases did not end within 240 s")
+    err = (out.parent / "log.txt").read_text()
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     results = json.loads(out.read_text())
     assert sorted(results) == ["0", "1"]

@@ -201,6 +201,15 @@ CASES: dict[str, Case] = {
                           "do not fit in this machine's", "--max-size", "a size that fits (it says the most)"),
     "dp gpus": Case("`dp_vs_ddp.py --gpus 1`", [S3 + "dp_vs_ddp.py", *T, "--gpus", "1"],
                     "--gpus 1: the comparison needs at least 2 GPUs", "--gpus", "2 or more GPUs"),
+    "ddp zero accum": Case("`train_ddp.py --grad-accum 0`", [S3 + "train_ddp.py", *T, "--grad-accum", "0"],
+                           "--grad-accum must be positive (got 0)", "--grad-accum", "a positive number"),
+    "pp uneven microbatches": Case("`train_pp.py --microbatches 3` with a batch of 4",
+                                   [S3 + "train_pp.py", *T, "--microbatches", "3"],
+                                   "--global-batch-size 4 does not split into 3 equal micro-batches",
+                                   "--global-batch-size", "a batch that is a multiple of the micro-batches"),
+    "batch beyond the data": Case("`--global-batch-size 100000000`", [S1, *T, "--global-batch-size", "100000000"],
+                                  "fewer than one global batch of 100000000", "--global-batch-size",
+                                  "more text, a shorter --seq-len or a smaller batch"),
     # ---- chapter 3, two ranks (one torchrun job)
     "tp sequence split": Case("`train_tp.py --sequence-parallel --seq-len 33` on 2 ranks",
                               [S3 + "train_tp.py", *T, "--sequence-parallel", "--seq-len", "33"],
@@ -256,6 +265,12 @@ CASES: dict[str, Case] = {
                             ["tools/multirun.py", "--runs", '[{"name": "a", "script": "nope.py", "argv": []}]'],
                             "script 'nope.py' is not a file of this repository", "nope.py",
                             "a script path relative to the repository"),
+    "bench_model batch": Case("`tools/bench_model.py --batch 0`", ["tools/bench_model.py", "--batch", "0"],
+                              "--batch must be positive and --seq-len between 1 and 2048", "--batch",
+                              "a positive batch, a length the preset supports"),
+    "gpu_check timeout": Case("`tools/gpu_check.py --timeout nan`", ["tools/gpu_check.py", "--timeout", "nan"],
+                              "--timeout must be between 1 and 86400 seconds (got nan)", "--timeout",
+                              "seconds per launch"),
     "bubble counts": Case("`tools/pipeline_bubble.py --microbatches 1,x`",
                           ["tools/pipeline_bubble.py", "--microbatches", "1,x"],
                           "--microbatches '1,x': give comma-separated positive whole numbers", "--microbatches",
@@ -332,8 +347,8 @@ def run_script(script: str, argv: list[str]) -> tuple[int, str]:
         saved, sys.argv, err = sys.argv, [script, *argv], io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                module.main()
-            return 0, err.getvalue()
+                code = module.main()  # a tool may return its exit code (sys.exit(main()))
+            return (code if isinstance(code, int) else 0), err.getvalue()
         except SystemExit as e:
             return (e.code if isinstance(e.code, int) else 1), err.getvalue()
         finally:
