@@ -124,3 +124,15 @@ def test_the_troubleshooting_table_is_the_one_the_cases_make():
     assert found is not None and found[0].name == "README.md" and found[0].parent.name == "step4_multi_node"
     assert found[1].strip() == misuse.markdown_table(), \
         "step 4's troubleshooting table is stale: run python -m tools.figures --only misuse"
+
+
+def test_tools_run_as_files_from_anywhere(tmp_path):
+    """``python tools/estimate.py`` (not ``-m tools.estimate``), started from another folder:
+    Python then puts tools/ on the path, not the repository, and ``import common`` failed."""
+    procs = {tool: subprocess.Popen([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *argv], cwd=tmp_path,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for tool, argv in (("estimate", ["--n-layers", "0"]), ("compare", [str(tmp_path / "none")]))}
+    for tool, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in err, (tool, err)
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, (tool, err)
