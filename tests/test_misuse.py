@@ -136,3 +136,30 @@ def test_tools_run_as_files_from_anywhere(tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and "Traceback" not in err, (tool, err)
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, (tool, err)
+
+
+def test_every_script_with_pg_timeout_hands_it_to_its_process_group(monkeypatch, tmp_path):
+    """--pg-timeout is a shared flag: a script that forgot to pass it on (compare_comm_hooks
+    did) waits 300 s, not the seconds asked for, when a rank hangs."""
+    import contextlib
+
+    import common.distributed
+    from common.errors import UserError
+    seen = {}
+
+    @contextlib.contextmanager
+    def distributed(device="auto", backend=None, timeout_s=300.0):
+        seen[script] = timeout_s
+        raise UserError("stopped before any work")
+        yield
+
+    monkeypatch.setattr(common.distributed, "distributed", distributed)  # the scripts import it afresh
+    scripts = [misuse.S1, *(f"step2_memory/{s}.py" for s in ("train_amp", "train_amp_ac", "train_accum",
+                                                              "bench_memory_savers")),
+               *(f"step3_multi_gpu/{s}.py" for s in ("train_ddp", "train_fsdp", "train_tp", "train_pp", "train_2d",
+                                                     "train_3d", "compare_comm_hooks"))]
+    for script in scripts:
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in misuse.T] + ["--pg-timeout", "7"]
+        code, err = misuse.run_script(script, argv)
+        assert code == 2 and "stopped before any work" in err, (script, err)
+    assert seen == {s: 7.0 for s in scripts}
