@@ -448,6 +448,8 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
                                                          "argv": argv(r, suffix, device)} for r in job])]
     log = ROOT / "runs" / "figs" / f"{first.job}{suffix}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    for r in job:  # a figure's run starts afresh: an older run's checkpoints there would be refused as another run's
+        shutil.rmtree(run_dir(r.name, suffix) / "checkpoints", ignore_errors=True)
     by_name = {r.name: r for r in job}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "w") as f, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
