@@ -217,8 +217,11 @@ def _hang_store():
 def last_collective() -> dict | None:
     """This rank's newest flight-recorder entry: {seq, op, sizes, done}, or None."""
     import pickle
+    c10d = torch._C._distributed_c10d
+    # the recorder of every backend (newer torch), else NCCL's own (older builds with CUDA)
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
     try:
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"]
+        entries = pickle.loads(dump())["entries"]
     except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
         return None
     if not entries:
