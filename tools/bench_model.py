@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -43,8 +45,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import os as _os, sys as _sys  # noqa: E401 - run as a file (python tools/x.py), common/ is not on the path
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.errors import UserError, main_guard
 from common.model import PRESETS, ModelConfig, Transformer, TransformerBlock, get_config

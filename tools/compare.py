@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -28,8 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-import os as _os, sys as _sys  # noqa: E401 - run as a file (python tools/x.py), common/ is not on the path
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.measure.comm import sent_per_step
 from common.errors import UserError, main_guard

@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import os as _os, sys as _sys  # noqa: E401 - run as a file (python tools/x.py), common/ is not on the path
-_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.measure.memory import fmt_bytes
 
