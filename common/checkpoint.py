@@ -72,6 +72,9 @@ def add_flags(p: argparse.ArgumentParser):
                    help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
 
 
+PG_TIMEOUT_RANGE = (1, 30 * 24 * 3600)
+
+
 def check_flags(args):
     if args.ckpt_every < 0:
         raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
@@ -81,6 +84,11 @@ def check_flags(args):
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
     if not math.isfinite(args.pg_timeout):
         raise UserError(f"--pg-timeout must be a finite number of seconds (got {args.pg_timeout}).")
+    if not PG_TIMEOUT_RANGE[0] <= args.pg_timeout <= PG_TIMEOUT_RANGE[1]:
+        # Below a second every collective "times out" while the ranks are still starting;
+        # far above, the timedelta overflows inside c10d (1e300 s was a deep traceback).
+        raise UserError(f"--pg-timeout {args.pg_timeout:g} is out of range: give between {PG_TIMEOUT_RANGE[0]} and "
+                        f"{PG_TIMEOUT_RANGE[1]} seconds (30 days).")
     if args.fail_at_step is not None and not 0 <= args.fail_at_step < args.steps:
         raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
     if args.fail_rank < 0:
@@ -103,6 +111,32 @@ def read_meta(path: Path) -> dict:
         raise UserError(f"checkpoint {path}: meta.json lacks {', '.join(missing)}; it was not written by this "
                         f"tutorial's checkpointer (or was edited); move the folder aside.")
     return meta
+
+
+# What a checkpoint's numbers depend on, as (meta.json key, flag, default for checkpoints
+# written before the key was saved). The parallel layout, --steps (raising it is how a finished
+# run continues) and the pipeline schedule are not here: DCP reshards by parameter name, and
+# none of them changes the numbers already trained.
+RUN_SETTINGS = (("model", "--model", None), ("n_layers", "--n-layers", None),
+                ("global_batch_size", "--global-batch-size", None), ("seq_len", "--seq-len", None),
+                ("lr", "--lr", None), ("warmup_steps", "--warmup-steps", None), ("data", "--data", None),
+                ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1))
+
+
+def config_differences(meta: dict, args) -> list[str]:
+    """'--lr 0.001 there, 0.003 here' for every setting the checkpoint's run had otherwise."""
+    saved = dict(meta)
+    saved.setdefault("n_layers", (meta.get("model_config") or {}).get("n_layers"))
+    saved.setdefault("grad_accum", meta.get("grad_accum_steps", 1))  # the data position counts micro-batches
+    here = {"n_layers": args.model_config.n_layers, "grad_accum": getattr(args, "grad_accum", 1)}
+    diff = []
+    for key, flag, default in RUN_SETTINGS:
+        there, now = saved.get(key, default), here.get(key, getattr(args, key, None))
+        if there is not None and there != now:
+            diff.append(f"{flag} {there} there, {now} here")
+    if not diff and meta.get("model_config") not in (None, args.model_config.as_dict()):
+        diff.append(f"--model {meta.get('model')} there had another shape than --model {args.model} here")
+    return diff
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -166,31 +200,65 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
+        error = None
         if self.ctx.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
-            partial.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dcp.save(self._state(), checkpoint_id=str(partial))
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
-                   partial / f"rng_rank{self.ctx.rank}.pt")
-        dist.barrier()  # every rank's files are on disk before the checkpoint is declared
+            try:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never complete
+                partial.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                error = e
+        self._all_ok(error, partial, step)
+        try:
+            dcp.save(self._state(), checkpoint_id=str(partial))
+            torch.save({"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
+                       partial / f"rng_rank{self.ctx.rank}.pt")
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a folder gone read-only
+            # (DCP's CheckpointException derives from BaseException, not Exception)
+            error = e
+        self._all_ok(error, partial, step)  # every rank's files are on disk before the checkpoint is declared
         if self.ctx.is_main:
-            (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
-            if final.exists():  # the same step again (a resumed run): replace it whole
-                shutil.rmtree(final)
-            os.replace(partial, final)  # atomic: complete or absent, never half
+            try:
+                (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
+                if final.exists():  # the same step again (a resumed run): replace it whole
+                    shutil.rmtree(final)
+                os.replace(partial, final)  # atomic: complete or absent, never half
+            except OSError as e:
+                error = e
+        self._all_ok(error, partial, step)
+        if self.ctx.is_main:
             for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
 
+    def _all_ok(self, error: BaseException | None, partial: Path, step: int):
+        """A barrier that also agrees on failure: a rank that could not write must not leave
+        the others waiting for it until --pg-timeout. Every rank then stops with one sentence;
+        the half-written folder goes, the complete checkpoints before it stay."""
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.ctx.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return
+        if self.ctx.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = complete_checkpoints(self.folder)
+        why = (str(error).strip().splitlines() or [type(error).__name__])[-1][:200] if error is not None \
+            else "another rank could not write its part"
+        raise UserError(f"the checkpoint of step {step} could not be written to {partial} ({why}); "
+                        + (f"the last good checkpoint, {kept[-1]}, is kept" if kept else "no earlier checkpoint exists")
+                        + "; free some space or make the folder writable, then --resume.")
+
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> int:
         """Load the newest complete checkpoint if ``--resume``; return the first step to run."""
-        if not self.args.resume:
-            return 0
         found = complete_checkpoints(self.folder)
+        if not self.args.resume:
+            if self.args.ckpt_every and found:
+                # This run's checkpoints would sit beside another run's, and a later --resume
+                # would pick whichever is newest: refuse a mix before anything is written.
+                self._check_compatible(found[-1], read_meta(found[-1]))
+            return 0
         if not found:
             self.ctx.print(f"--resume: no complete checkpoint in {self.folder} yet, starting from step 0")
             return 0
@@ -228,21 +296,14 @@ class Checkpointer:
         return meta["step"] + 1
 
     def _check_compatible(self, path: Path, meta: dict):
-        a = self.args
-        if meta["model_config"] != a.model_config.as_dict():
-            raise UserError(f"checkpoint {path} holds a {meta['model']!r} model with a different shape than "
-                            f"--model {a.model}; resume with the same --model (and --n-layers) or pick another --out.")
-        # The learning rate too: the schedule's state would silently keep the saved one.
-        for key, flag in (("global_batch_size", "--global-batch-size"), ("seq_len", "--seq-len"),
-                          ("seed", "--seed"), ("data", "--data"), ("lr", "--lr"), ("warmup_steps", "--warmup-steps")):
-            if key in meta and meta[key] != getattr(a, key):
-                raise UserError(f"checkpoint {path} was trained with {flag} {meta[key]}, this run asks for "
-                                f"{getattr(a, key)}; use the same value to continue exactly.")
-        # The data position counts loader batches of global_batch_size / grad_accum (step 3).
-        accum, saved = getattr(a, "grad_accum", 1), meta.get("grad_accum", meta.get("grad_accum_steps", 1))
-        if saved != accum:
-            raise UserError(f"checkpoint {path} was trained with --grad-accum {saved}, "
-                            f"this run asks for {accum}; use the same value to continue exactly.")
+        """Refuse a checkpoint of another run, naming every setting that differs in one
+        sentence: one at a time, a person fixes a flag, reruns, and meets the next."""
+        diff = config_differences(meta, self.args)
+        if diff:
+            out = Path(self.args.out)
+            raise UserError(f"--out {out} holds a checkpoint of another run ({path.name}): {'; '.join(diff)}. "
+                            f"Resume with the same flags, or use another --out, or delete {out / 'checkpoints'} "
+                            f"to start over.")
         # No check on the parallel layout: every part is saved by parameter name (pipeline
         # stages keep the full model's layer names), so any split loads into any other.
 
@@ -301,7 +362,6 @@ def lock_out(args, ctx) -> Path | None:
     taken over; so is one of this very process (a harness running several scripts)."""
     verdict, path = None, Path(args.out) / LOCK
     if ctx.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
         try:
             pid, owner = path.read_text().split()[:2]

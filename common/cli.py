@@ -98,7 +98,23 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args.out = Path(args.out) if args.out else ROOT / "runs" / args.script
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
+    check_writable(args.out)
     return args
+
+
+def check_writable(out: Path):
+    """Create --out and write a file into it now: a folder that cannot be written would
+    otherwise surface as a traceback at the first metrics line, or at the first checkpoint
+    after hours of training. (Each rank its own probe name: ranks run this side by side.)"""
+    import os
+    probe = out / f".write_probe_{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); give a folder you "
+                        f"can write to.") from None
 
 
 def _check_it_can_fit(args):

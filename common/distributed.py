@@ -8,6 +8,7 @@ is how this tutorial runs several "GPUs" on a laptop.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -53,17 +54,24 @@ class Dist:
         shape, names = shape or (self.world_size,), names or ("dp",)
         key = (shape, names)
         if key not in self.meshes:
-            if any(s < 1 for s in shape):
-                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
-                                f"at least 1.")
-            size = 1
-            for s in shape:
-                size *= s
-            if size != self.world_size:
-                raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}) needs {size} ranks "
-                                f"but {self.world_size} were launched; make the product equal the world size.")
+            check_mesh(shape, names, self.world_size)
             self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self.meshes[key]
+
+
+def check_mesh(shape: tuple[int, ...], names: tuple[str, ...], world_size: int, launched: str = "were launched"):
+    """A mesh must tile the ranks exactly. One function, so that tools/estimate.py refuses
+    the layouts the scripts refuse with the same sentence (``launched`` says where the
+    world size came from)."""
+    if any(s < 1 for s in shape):
+        raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}): every size must be "
+                        f"at least 1.")
+    size = 1
+    for s in shape:
+        size *= s
+    if size != world_size:
+        raise UserError(f"a {' x '.join(map(str, shape))} mesh ({', '.join(names)}) needs {size} ranks "
+                        f"but {world_size} {launched}; make the product equal the world size.")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -142,9 +150,14 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     elif (store := _restart_store(timedelta(seconds=timeout_s))) is not None:
         kwargs.update(store=store, rank=rank, world_size=world)
+    if launched and world > 1:
+        # The flight recorder: each rank's last collectives in a small ring buffer (gloo and
+        # NCCL alike), read when a collective times out to name the rank that is stuck.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if launched:
         _exit_with_launcher(rank)
+        _answer_hang_questions(rank)
         # Every rank finishes connecting before any may fail a check and exit: a rank that
         # leaves while another is still inside init_process_group turns a one-line error
         # into a gloo connection traceback on the other rank.
@@ -152,6 +165,10 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     ctx = Dist(rank, world, local_rank, dev, backend, launched)
     try:
         yield ctx
+    except Exception as e:
+        if launched and world > 1 and "timed out" in str(e).lower():
+            HANG["culprit"] = name_the_stuck_rank(rank, world)  # main_guard adds it to its one line
+        raise
     finally:
         if dist.is_initialized():
             # On success every rank gets here; on error, skip the barrier (it would hang
@@ -217,3 +234,92 @@ def _exit_with_launcher(rank: int, every_s: float = 1.0):
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
+# ---- who is stuck: when a collective times out ----------------------------------------------
+# A timed-out rank knows only that *it* waited. Every rank keeps its last collectives in the
+# flight recorder (TORCH_FR_BUFFER_SIZE); a small thread per rank waits for a question on
+# torchrun's store and answers with its last one. The rank whose last collective is behind
+# the others' never joined: that is the one to look at.
+HANG: dict = {"culprit": ""}
+_answering: set[int] = set()
+
+
+def _hang_store():
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
+                          timeout=timedelta(seconds=10))
+    return dist.PrefixStore(f"hang_{restart}", store)
+
+
+def last_collective() -> dict | None:
+    """This rank's newest flight-recorder entry: {seq, op, sizes, done}, or None."""
+    import pickle
+    c10d = torch._C._distributed_c10d
+    # the recorder of every backend (newer torch), else NCCL's own (older builds with CUDA)
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    try:
+        entries = pickle.loads(dump())["entries"]
+    except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
+        return None
+    if not entries:
+        return None
+    e = max(entries, key=lambda e: e.get("collective_seq_id", 0))
+    return {"seq": e.get("collective_seq_id"), "op": str(e.get("profiling_name", "?")).split(":")[-1],
+            "sizes": e.get("input_sizes"), "done": bool(e.get("retired"))}
+
+
+def _answer_hang_questions(rank: int):
+    if rank in _answering or "MASTER_ADDR" not in os.environ:
+        return
+    _answering.add(rank)
+
+    def answer():
+        try:
+            store = _hang_store()
+            while True:
+                try:
+                    store.wait(["question"], timedelta(hours=1))
+                    break
+                except Exception as e:  # noqa: BLE001 - an hour without a question: wait on
+                    if "timeout" not in str(e).lower():
+                        return  # the store is gone: the job is over
+            store.set(f"rank_{rank}", json.dumps(last_collective()))
+        except Exception:  # noqa: BLE001 - a helper for a failure report must never fail a run
+            return
+
+    threading.Thread(target=answer, name="hang-answers", daemon=True).start()
+
+
+def _describe(c: dict | None) -> str:
+    if c is None:
+        return "no collective yet"
+    return f"{c['op']} #{c['seq']} ({'finished' if c['done'] else 'not finished'})"
+
+
+def name_the_stuck_rank(rank: int, world: int, wait_s: float = 3.0) -> str:
+    """One clause naming the rank(s) the others wait for, from every rank's last collective
+    ("" when it cannot be known: no store, no recorder)."""
+    try:
+        mine = last_collective()
+        store = _hang_store()
+        store.set("question", "1")
+        answers, deadline = {rank: mine}, time.time() + wait_s
+        while len(answers) < world and time.time() < deadline:
+            for r in range(world):
+                if r not in answers and store.check([f"rank_{r}"]):
+                    answers[r] = json.loads(store.get(f"rank_{r}"))
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the report is a bonus; the timeout error stands alone
+        return ""
+    seqs = {r: (c or {}).get("seq") or 0 for r, c in answers.items()}
+    if mine is None or not seqs:
+        return ""
+    silent = [r for r in range(world) if r not in answers]
+    behind = [r for r, q in seqs.items() if q < max(seqs.values())]
+    parts = [f"rank {rank} waited in {mine['op']} #{mine['seq']}"]
+    parts += [f"rank {r} never got there: its last collective is {_describe(answers[r])}" for r in behind]
+    parts += [f"rank {r} did not answer (dead, or stuck outside Python)" for r in silent]
+    if not behind and not silent:
+        parts.append("every rank reached that collective; one of them called another one or with other sizes")
+    return "; ".join(parts)

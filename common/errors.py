@@ -39,6 +39,9 @@ def main_guard(fn):
             if "Timed out" in msg or "timeout" in msg.lower():
                 hint = (" (a collective waited longer than --pg-timeout: another rank is stuck, dead, or "
                         "not calling the same collective)")
+                culprit = sys.modules.get("common.distributed")
+                if culprit is not None and culprit.HANG["culprit"]:
+                    hint += f"; {culprit.HANG['culprit']}"  # from every rank's flight recorder
             print(f"[rank {os.environ.get('RANK', '0')}] failed: {type(e).__name__}: {msg}{hint}",
                   file=sys.stderr, flush=True)
             sys.exit(1)

@@ -41,7 +41,9 @@ def main():
                    help="CPU threads (default 1: on a busy machine a second OpenMP thread that is not "
                         "scheduled stalls every op, unevenly across set-ups)")
     args = cli.parse(p)
-    with distributed(args.device) as ctx:
+    if args.threads < 1:
+        raise UserError(f"--threads must be at least 1 (got {args.threads}).")
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         if args.global_batch_size % 4:
             raise UserError(f"the accumulation set-ups split the batch in 4: use a --global-batch-size that "
                             f"4 divides (got {args.global_batch_size}).")

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 
-from common.measure.bench import GB, fmt_size, message_sizes, time_collective
+from common.measure.bench import GB, check_message_size, fmt_size, message_sizes, time_collective
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
 
@@ -224,8 +224,12 @@ def main():
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if not ops or any(o not in OPS for o in ops):
         raise UserError(f"--ops {args.ops!r}: choose from {', '.join(OPS)}.")
-    if args.iters < 1 or args.blocks < 1 or args.budget <= 0 or args.factor < 2 or args.min_size < 4:
-        raise UserError("--iters, --blocks and --budget must be positive, --factor at least 2, --min-size at least 4.")
+    # (not "budget <= 0": nan compares false with everything and would pass)
+    if not (args.iters >= 1 and args.blocks >= 1 and 0 < args.budget <= 3600 and args.factor >= 2
+            and args.min_size >= 4):
+        raise UserError(f"--iters and --blocks must be positive, --budget between 0 and 3600 seconds (got "
+                        f"{args.budget:g}), --factor at least 2, --min-size at least 4.")
+    check_message_size(args.max_size)
     with distributed(args.device) as ctx:
         require_launcher(ctx, "step3_multi_gpu/bench_collectives.py")
         max_size = args.max_size or (256 * 2**20 if ctx.device.type == "cuda" else 32 * 2**20)

@@ -96,7 +96,7 @@ For data parallelism that runs here, see train_ddp.py:  torchrun --nproc-per-nod
 
 def train_dp(args, n: int) -> dict:
     """nn.DataParallel in this process over GPUs 0..n-1."""
-    with distributed("cuda") as ctx:  # one process: world size 1, GPU 0
+    with distributed("cuda", timeout_s=args.pg_timeout) as ctx:  # one process: world size 1, GPU 0
         corpus = load_corpus(args.data, seed=args.seed)
         batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
         model = build_model(args.model_config, ctx.device, seed=args.seed)
@@ -127,7 +127,7 @@ def train_dp(args, n: int) -> dict:
 
 def train_ddp(args) -> None:
     """DDP, one process per GPU; started by torchrun (see main)."""
-    with distributed("cuda") as ctx:
+    with distributed("cuda", timeout_s=args.pg_timeout) as ctx:
         corpus = load_corpus(args.data, seed=args.seed)
         batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
                                dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
@@ -183,6 +183,8 @@ def main():
     p.set_defaults(trace_memory=False, steps=30)
     args = cli.parse(p)
     args.script = "dp_vs_ddp"
+    if args.gpus is not None and args.gpus < 2:  # checked first: the CPU explanation would use it
+        raise UserError(f"--gpus {args.gpus}: the comparison needs at least 2 GPUs.")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cpu" or visible < 2:

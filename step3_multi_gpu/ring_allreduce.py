@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 
-from common.measure.bench import GB, fmt_size, message_sizes, time_collective
+from common.measure.bench import GB, check_message_size, fmt_size, message_sizes, time_collective
 from common.measure.comm import CommCounter
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
@@ -238,6 +238,7 @@ def main():
     args = p.parse_args()
     if args.iters < 1 or args.min_size < 4:
         raise UserError("--iters must be positive and --min-size at least 4 bytes.")
+    check_message_size(args.max_size)
     with distributed(args.device) as ctx:
         require_launcher(ctx, "step3_multi_gpu/ring_allreduce.py")
         max_size = args.max_size or (256 * 2**20 if ctx.device.type == "cuda" else 16 * 2**20)

@@ -119,8 +119,8 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(step1_runs, tmp_path
                                         text=True, stdout=subprocess.DEVNULL),
     }
     expected = {"truncated": "step_00000005 cannot be read",
-                "other model": "holds a 'debug' model with a different shape",
-                "other batch": "was trained with --global-batch-size 4, this run asks for 8"}
+                "other model": "holds a checkpoint of another run (step_00000005): --n-layers 4 there, 2 here.",
+                "other batch": "holds a checkpoint of another run (step_00000005): --global-batch-size 4 there, 8 here."}
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 2, f"{name}: {err[-2000:]}"
@@ -184,8 +184,8 @@ ERRORS = {
     "nan_stop": "error: the loss is nan at step",
     # skip goes on past every bad step, but a run still non-finite at its end has failed
     "nan_skip": "error: the run ended with a loss of nan (step 2): the model is not usable",
-    "bad_accum": "was trained with --grad-accum 1, this run asks for 2; use the same value",
-    "bad_preset": "holds a 'debug' model with a different shape than --model debug",
+    "bad_accum": "holds a checkpoint of another run (step_00000003): --grad-accum 1 there, 2 here. Resume with",
+    "bad_preset": "holds a checkpoint of another run (step_00000003): --n-layers 4 there, 1 here.",
     "bad_truncated": "step_00000003 cannot be read",
     "bad_meta": "meta.json cannot be read (UnicodeDecodeError)",
     "bad_finished": "is at step 3, the last of --steps 4 or past it: nothing is left to train",
@@ -433,13 +433,20 @@ def test_any_parallel_layout_may_resume(tmp_path):
                        ({"tp": 2}, {"pp": 2, "stages": 2})):              # TP -> pipeline
         assert Checkpointer(args, ctx, [], parallel=now)._check_compatible(tmp_path, meta | {"parallel": saved}) is None
     # The same check does refuse what would change the run: here, the batch.
-    with pytest.raises(UserError, match="--global-batch-size 8, this run asks for 4"):
+    with pytest.raises(UserError, match="--global-batch-size 8 there, 4 here"):
         Checkpointer(args, ctx, [], parallel={"dp": 2})._check_compatible(
             tmp_path, meta | {"parallel": {"dp": 4}, "global_batch_size": 8})
-    # --resume --lr X used to keep the saved learning rate without a word: now it is refused
-    with pytest.raises(UserError, match="was trained with --lr 0.001, this run asks for 0.003"):
+    # --resume --lr X used to keep the saved learning rate without a word: now it is refused,
+    # and every differing setting is named in the one sentence, not the first one found
+    with pytest.raises(UserError) as e:
         Checkpointer(args, ctx, [], parallel={"dp": 2})._check_compatible(
-            tmp_path, meta | {"parallel": {"dp": 2}, "lr": 1e-3, "warmup_steps": 10})
+            tmp_path / "checkpoints" / "step_00000003",
+            meta | {"parallel": {"dp": 2}, "lr": 1e-3, "warmup_steps": 10, "seed": 5, "global_batch_size": 8})
+    assert str(e.value) == (
+        f"--out {tmp_path} holds a checkpoint of another run (step_00000003): --global-batch-size 8 there, 4 here; "
+        f"--lr 0.001 there, 0.003 here; --seed 5 there, 0 here. Resume with the same flags, or use another --out, "
+        f"or delete {tmp_path / 'checkpoints'} to start over.")
+    assert "--warmup-steps" not in str(e.value) and "--data" not in str(e.value)  # the same: not named
 
 
 # ==== the model-parallel family (tensor, pipeline, 2-D, 3-D) ===================================

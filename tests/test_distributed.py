@@ -67,6 +67,9 @@ def test_a_hang_becomes_an_error_that_names_the_rank():
     assert r.returncode != 0
     assert "[rank 0] failed: RuntimeError:" in r.stderr and "Timed out" in r.stderr
     assert "--pg-timeout" in r.stderr
+    # and it names the culprit, from every rank's flight recorder: rank 1 is still at the
+    # barrier that ends the set-up, while rank 0 waits in the all-reduce after it
+    assert "rank 0 waited in all_reduce #2; rank 1 never got there: its last collective is barrier #1" in r.stderr
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):

@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -43,7 +45,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.model import ModelConfig, Transformer, TransformerBlock, get_config
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
+
+from common.errors import UserError, main_guard
+from common.model import PRESETS, ModelConfig, Transformer, TransformerBlock, get_config
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
 TARGET_OPS, TARGET_BYTES = 1.5, 1.4   # issue 25's targets, ratios to the GPT-2 block
@@ -232,13 +237,19 @@ def step_ms(model: nn.Module, tokens: torch.Tensor, compiled: bool, steps: int =
     return sorted(times)[len(times) // 2] * 1e3
 
 
+@main_guard
 def main(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="125m", help="model preset whose width is counted and timed (default 125m)")
     ap.add_argument("--batch", type=int, default=12, help="sequences per timed step (CUDA only)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence in the timed step (CUDA only)")
     args = ap.parse_args(argv)
+    if args.model not in PRESETS:
+        raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
     cfg = get_config(args.model)
+    if not 0 < args.seq_len <= cfg.max_seq_len or args.batch <= 0:  # before the model is built or timed
+        raise UserError(f"--batch must be positive and --seq-len between 1 and {cfg.max_seq_len} (got --batch {args.batch} "
+                 f"--seq-len {args.seq_len}).")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.measure.comm import sent_per_step
 from common.errors import UserError, main_guard
@@ -55,11 +58,24 @@ class RunResult:
             raise UserError(f"run folder {folder} does not exist; pass the --out folder of a finished run.")
         if not (folder / "summary.json").exists():
             raise UserError(f"{folder} has no summary.json; pass the --out folder of a run that finished.")
-        summary = json.loads((folder / "summary.json").read_text())
+        summary = _read_json(folder / "summary.json")
+        if not isinstance(summary, dict) or not {"global_batch_size", "seq_len"} <= summary.keys():
+            raise UserError(f"{folder / 'summary.json'} is not a run's summary (no global_batch_size or seq_len); "
+                            f"pass the --out folder of a run that finished, or rerun it.")
         metrics = folder / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+        rows = []
+        lines = metrics.read_text(errors="replace").splitlines() if metrics.exists() else []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:  # a torn last line is a killed run's; one in the middle is damage
+                    raise UserError(f"{metrics}: line {i + 1} is not JSON; rerun that run, or delete the file to "
+                                    f"compare without its per-step times.") from None
         trace = folder / "memory_trace.json"
-        traces = json.loads(trace.read_text()) if trace.exists() else []
+        traces = _read_json(trace) if trace.exists() else []
         return cls(label or folder.name, folder, summary, rows, traces)
 
     @property
@@ -90,6 +106,15 @@ class RunResult:
         if not comm:
             return None
         return [int(sent_per_step(rank)[0]) for rank in comm]
+
+
+def _read_json(path: Path):
+    """A run's JSON file, or one sentence naming it (a run killed while writing, a hand edit)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}); rerun that run, or leave "
+                        f"its folder out.") from None
 
 
 def render_timelines(runs: list[RunResult], path, title: str, ymax: float | None = None):

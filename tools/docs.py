@@ -2,7 +2,11 @@
 scripts. The figures command fills their generated blocks, the tests read their commands."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common import ROOT
 

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.errors import UserError, main_guard
 from common.measure.memory import fmt_bytes
@@ -109,9 +113,39 @@ def check(args) -> None:
                         f"use a world size that is a multiple of {args.tp * args.pp}.")
     if args.batch is not None and args.batch <= 0:
         raise UserError(f"--batch must be positive (got {args.batch}).")
-    cfg = get_config(args.model, n_layers=args.n_layers)
+    # Zero or negative is a mistake to name, not a "use the default" (``x or default`` would take it).
+    for flag in ("n_layers", "hsdp_shard", "microbatches"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    for flag in ("gpu_mem", "headroom"):
+        if not math.isfinite(getattr(args, flag)):
+            raise UserError(f"--{flag.replace('_', '-')} must be a finite number of GiB (got {getattr(args, flag)}).")
+    try:
+        cfg = get_config(args.model, n_layers=args.n_layers)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if args.seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports ({cfg.max_seq_len}).")
+
+
+def check_layouts(ps) -> None:
+    """Refuse a layout no script runs, with the sentence that script would give: the
+    scripts' own checks (the HSDP mesh of train_fsdp.py, check_tp, check_pp), not copies."""
+    from common.distributed import check_mesh
+    from common.parallelize.pp import check_pp
+    from common.parallelize.tp import check_tp
+    for p in ps:
+        if p.strategy == "hsdp":
+            check_mesh((max(1, p.world // p.shard), p.shard), ("replicate", "shard"), p.world,
+                       launched="are in --world-size")
+        if p.tp > 1:
+            check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
+        if p.pp > 1:
+            check_pp(p.cfg, p.pp, p.schedule, p.microbatches or p.pp, max(1, p.batch // p.dp))
+        if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
+            raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
+                            + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
+                            + "; use a multiple of that.")
 
 
 def plans(args) -> list[Plan]:
@@ -415,14 +449,7 @@ def main(argv=None):
     if not ps:
         raise UserError(f"--batch {args.batch} does not split over the data-parallel ranks; use a multiple of "
                         f"{args.world_size}.")
-    for p in ps:
-        if p.tp > 1:
-            from common.parallelize.tp import check_tp
-            check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
-        if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
-            raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
-                            + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
-                            + "; use a multiple of that.")
+    check_layouts(ps)
     if len(ps) == 1 and args.strategy != "all":
         traced = None
         if args.trace:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
+
 from common.measure.memory import fmt_bytes
 
 from common import ROOT  # noqa: E402
@@ -458,12 +460,14 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
 from step3_multi_gpu.tables import write_chapter3a_table, write_clip_table  # noqa: E402
 
 from step4_multi_node.tables import write_faults_table  # noqa: E402
+from tools.misuse import table as misuse_table  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
-              ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table), ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
-              ("estimates", estimates), ("gpu", gpu_check_report)]
+              ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
+              ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
+              ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
 
 
 def update_readme(tables: dict[str, str]):
@@ -536,6 +540,8 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
                                                          "argv": argv(r, suffix, device)} for r in job])]
     log = ROOT / "runs" / "figs" / f"{first.job}{suffix}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    for r in job:  # a figure's run starts afresh: an older run's checkpoints there would be refused as another run's
+        shutil.rmtree(run_dir(r.name, suffix) / "checkpoints", ignore_errors=True)
     by_name = {r.name: r for r in job}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "w") as f, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -597,7 +603,7 @@ def main(argv=None):
             or (args.only and r.name.startswith(args.only))]
     if not todo and not any(prefix.startswith(args.only) for prefix, _ in POST_STEPS):
         print(f"error: no figure or run name starts with {args.only!r}; figure names start with 01, 02, 03, 04 "
-              f"or 05 (see figs/), and --only estimates redoes the estimator's answers", file=sys.stderr)
+              f"or 05 (see figs/), --only estimates redoes the estimator's answers, --only misuse the troubleshooting table", file=sys.stderr)
         sys.exit(2)
     if args.device == "cuda":
         import torch

@@ -234,6 +234,9 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker)
         return 0
+    if not 1 <= args.timeout <= 86400:  # (nan fails this too) a launch stopped at once, or never
+        print(f"error: --timeout must be between 1 and 86400 seconds (got {args.timeout}).", file=sys.stderr)
+        return 2
     import torch
     if not args.cpu and not torch.cuda.is_available():
         print("error: no CUDA GPU is visible here (or this torch has no CUDA); run this on a GPU machine, or pass "

@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not on the path yet
+sys.path.insert(0, str(ROOT))
+
+from common.errors import UserError, main_guard  # noqa: E402
 _state = {"count": 0, "store": None}
 
 
@@ -66,6 +69,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     return code, err.getvalue()
 
 
+@main_guard
 def main():
     """``torchrun --nproc-per-node N tools/multirun.py --runs JSON``: runs one after another
     in this job. JSON is a list of {"name", "script", "argv"}; ``python -m tools.figures``
@@ -77,7 +81,17 @@ def main():
     p.add_argument("--runs", required=True, help='[{"name": ..., "script": ..., "argv": [...]}, ...]')
     args = p.parse_args()
     main_rank = os.environ.get("RANK", "0") == "0"
-    for run in json.loads(args.runs):
+    try:
+        runs = json.loads(args.runs)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--runs is not JSON ({e}); give a list of {{\"name\", \"script\", \"argv\"}}.") from None
+    for run in runs if isinstance(runs, list) else [None]:
+        if not (isinstance(run, dict) and {"name", "script", "argv"} <= run.keys()):
+            raise UserError(f"--runs: {run!r} is not a {{\"name\", \"script\", \"argv\"}} object; give a list of them.")
+        if not (ROOT / run["script"]).is_file():
+            raise UserError(f"--runs: script {run['script']!r} is not a file of this repository (give it relative "
+                            f"to {ROOT}).")
+    for run in runs:
         if main_rank:
             print(f"[multirun] start {run['name']}", flush=True)
         code, _ = run_script(run["script"], run["argv"])
@@ -88,6 +102,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     from tools import multirun  # this file again, as tools.multirun: scripts that import it share its state
     multirun.main()

@@ -20,22 +20,25 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.errors import UserError, main_guard  # noqa: E402
 from tools.multirun import run_script  # noqa: E402
 
 SCRIPT = "step3_multi_gpu/train_pp.py"
 
 
+@main_guard
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedules", default="gpipe,1f1b")
-    p.add_argument("--microbatches", default="1,2,4,8")
+    p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b (default: both)")
+    p.add_argument("--microbatches", default="1,2,4,8", help="comma-separated micro-batch counts (default: 1,2,4,8)")
     p.add_argument("--out", default="runs/pp_bubble")
     args, rest = p.parse_known_args()
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    schedules, counts = check_sweep(args.schedules, args.microbatches, world)
     results = []
-    for schedule in args.schedules.split(","):
-        for m in map(int, args.microbatches.split(",")):
+    for schedule in schedules:
+        for m in counts:
             if schedule != "gpipe" and m < world:
                 continue  # 1F1B cannot start with fewer micro-batches than stages
             run_out = out / f"{schedule}_m{m}"
@@ -51,6 +54,24 @@ def main():
         (out / "pipeline_bubble.json").write_text(json.dumps(results, indent=1))
         (out / "pipeline_bubble.md").write_text(table(results) + "\n")
         plot(results, out / "pipeline_bubble.png", " ".join(rest))
+
+
+def check_sweep(schedules: str, microbatches: str, world: int) -> tuple[list[str], list[int]]:
+    """The sweep's lists, refused before the first run if one of them cannot be measured
+    (the figure draws gpipe and 1f1b; 1F1B skips counts below the number of stages)."""
+    names = [s.strip() for s in schedules.split(",") if s.strip()]
+    if not names or any(s not in ("gpipe", "1f1b") for s in names):
+        raise UserError(f"--schedules {schedules!r}: give a comma-separated list of gpipe and 1f1b.")
+    try:
+        counts = [int(m) for m in microbatches.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(m < 1 for m in counts):
+        raise UserError(f"--microbatches {microbatches!r}: give comma-separated positive whole numbers, e.g. 1,2,4,8.")
+    if all(s != "gpipe" and m < world for s in names for m in counts):
+        raise UserError(f"--microbatches {microbatches}: 1f1b needs at least {world} (the number of stages); "
+                        f"add larger counts or gpipe to --schedules.")
+    return names, counts
 
 
 def table(results: list[dict]) -> str:

@@ -28,6 +28,24 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int = 2, align: int = 
     return sorted(set(sizes))
 
 
+def check_message_size(max_bytes: int | None, buffers: int = 4):
+    """Refuse a --max-size the machine cannot hold before any rank allocates it: every rank
+    keeps a few buffers of the largest message (in, out, an all-gather's world of them),
+    and all the ranks of this node share its memory. A huge size was an out-of-memory kill."""
+    import os
+
+    from common.errors import UserError
+    if max_bytes is None:
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    if max_bytes < 4 or (ram and max_bytes * buffers * ranks > ram):
+        most = (ram // (buffers * ranks)) if ram else 2**30
+        raise UserError(f"--max-size {max_bytes} bytes: {ranks} rank(s) with {buffers} buffers of that size each do "
+                        f"not fit in this machine's {fmt_bytes(ram or 0)}; give at most {fmt_bytes(most)} "
+                        f"({most} bytes).")
+
+
 def fmt_size(b: float) -> str:
     """A message size without trailing zeros: "1 MiB", "4 KiB"."""
     return fmt_bytes(b, ".4g")

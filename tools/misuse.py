@@ -1,0 +1,451 @@
+"""The misuse table: every way of holding the tutorial wrong that we know of, what the
+learner then sees, and what to do. One list, three readers:
+
+- tests/test_misuse.py runs every case and checks that it ends (within seconds), with a
+  non-zero exit, the sentence below, naming the flag or file at fault, and no traceback;
+- ``python -m tools.figures --only misuse`` writes it as the troubleshooting table of
+  step4_multi_node/README.md (block ``misuse``), so the page cannot drift from what the
+  scripts say;
+- ``python -m tools.misuse`` runs the cases and prints what each one printed, to read.
+
+It lives in tools/ because no training script imports it: the scripts hold the checks,
+this file only lists them. Most cases fail while the flags are checked, so they run
+in-process (``run_case``: the script's ``main()`` with that argv, as tools/multirun.py
+does); the few that need several ranks run together in one torchrun job
+(``torchrun --nproc-per-node 2 tools/misuse.py --worker NAME,NAME,... --json FILE``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file
+
+S1, S2, S3 = "step1_single_gpu/train.py", "step2_memory/", "step3_multi_gpu/"
+# The smallest run that gets past every check: a 4-layer model, two steps, no figure.
+T = ["--model", "debug", "--seq-len", "32", "--global-batch-size", "4", "--steps", "2", "--no-trace-memory",
+     "--eval-batches", "0", "--device", "cpu", "--out", "{tmp}/out"]
+
+
+@dataclass
+class Case:
+    did: str           # what was tried (markdown, for the table)
+    argv: list         # script, then its flags; {tmp} is this case's own empty folder
+    says: str          # a fragment of the one sentence it prints (the table's "what you see")
+    names: str         # the flag or file the sentence must name
+    fix: str           # what to do (the table's last column)
+    ranks: int = 1     # 1: in-process, plain python; 2: in the shared torchrun job
+    setup: str = ""    # a function of this module that prepares {tmp} first
+    cpu_only: bool = False  # a misuse only where there is no GPU (--device cuda)
+
+
+CASES: dict[str, Case] = {
+    # ---- the shared flags (step 1 stands for every training script: one parser, cli.parse)
+    "unknown model": Case("`--model huge`", [S1, *T, "--model", "huge"], "unknown --model 'huge'; choose one of",
+                          "--model", "pick a preset from the list"),
+    "zero steps": Case("`--steps 0`", [S1, *T, "--steps", "0"], "--steps must be positive (got 0)", "--steps",
+                       "a positive number"),
+    "seq too long": Case("`--seq-len 4096` with `--model debug`", [S1, *T, "--seq-len", "4096"],
+                         "is longer than model 'debug' supports (256)", "--seq-len", "use the preset's length or less"),
+    "negative lr": Case("`--lr -1`", [S1, *T, "--lr", "-1"], "--lr must be a positive number (got -1.0)", "--lr",
+                        "a positive learning rate"),
+    "nan lr": Case("`--lr nan`", [S1, *T, "--lr", "nan"], "--lr must be a positive number (got nan)", "--lr",
+                   "a positive, finite learning rate"),
+    "negative seed": Case("`--seed -1`", [S1, *T, "--seed", "-1"], "--seed must be between 0 and 2**63 - 1",
+                          "--seed", "a seed in range"),
+    "nan max-norm": Case("`--max-norm nan` (or `-1`)", [S1, *T, "--max-norm", "nan"],
+                         "--max-norm must be 0 (no clipping) or a positive number", "--max-norm",
+                         "0 to only measure the norm, else the clipping threshold"),
+    "huge pg-timeout": Case("`--pg-timeout 1e300`", [S1, *T, "--pg-timeout", "1e300"],
+                            "--pg-timeout 1e+300 is out of range: give between 1 and 2592000 seconds",
+                            "--pg-timeout", "seconds between 1 and 30 days (default 600)"),
+    "tiny pg-timeout": Case("`--pg-timeout 1e-9`", [S1, *T, "--pg-timeout", "1e-9"],
+                            "--pg-timeout 1e-09 is out of range", "--pg-timeout",
+                            "at least a second: ranks need that to start"),
+    "nan pg-timeout": Case("`--pg-timeout nan` (or `0`)", [S1, *T, "--pg-timeout", "nan"],
+                           "--pg-timeout must be positive seconds (got nan)", "--pg-timeout", "a number of seconds"),
+    "negative ckpt-every": Case("`--ckpt-every -2`", [S1, *T, "--ckpt-every", "-2"],
+                                "--ckpt-every cannot be negative (got -2); 0 turns checkpoints off", "--ckpt-every",
+                                "0 (off) or every how many steps"),
+    "zero ckpt-keep": Case("`--ckpt-keep 0`", [S1, *T, "--ckpt-keep", "0"], "--ckpt-keep must be at least 1 (got 0)",
+                           "--ckpt-keep", "keep at least one"),
+    "fail-at-step past end": Case("`--fail-at-step 2 --steps 2`", [S1, *T, "--fail-at-step", "2"],
+                                  "--fail-at-step 2 is not a step of this run (0 to 1)", "--fail-at-step",
+                                  "a step of the run"),
+    "fail-rank missing": Case("`--fail-rank 1` on one rank", [S1, *T, "--fail-at-step", "0", "--fail-rank", "1"],
+                              "--fail-rank 1 does not exist: this run has ranks 0 to 0", "--fail-rank",
+                              "a rank of the run"),
+    "abbreviated flag": Case("`--step 3` (a prefix of `--steps`)", [S1, *T, "--step", "3"],
+                             "unrecognized arguments: --step 3 (--help lists the flags)", "--step",
+                             "spell the flag out: no parser accepts prefixes"),
+    "bad choice": Case("`--on-nan ignore`", [S1, *T, "--on-nan", "ignore"],
+                       "argument --on-nan: invalid choice: 'ignore'", "--on-nan", "one of the listed choices"),
+    "missing data": Case("`--data /no/such/place`", [S1, *T, "--data", "/no/such/place"], "no such file or folder",
+                         "/no/such/place", "a text file, a folder of them, 'stdlib' or 'synthetic'"),
+    "out is a file": Case("`--out notes.txt`, an existing file", [S1, *T, "--out", "{tmp}/notes.txt"],
+                          "is a file, not a folder; give a folder", "notes.txt", "a folder (it is created if missing)",
+                          setup="make_file"),
+    "out unwritable": Case("`--out` where nothing can be written", [S1, *T, "--out", "/proc/misuse_out"],
+                           "cannot be written", "/proc/misuse_out", "a folder you can write to"),
+    "huge model": Case("`--n-layers 1000000`", [S1, *T, "--n-layers", "1000000"],
+                       "their weights, gradients and AdamW state alone need", "--n-layers",
+                       "fewer layers or a smaller preset"),
+    "zero layers": Case("`--n-layers 0`", [S1, *T, "--n-layers", "0"], "--n-layers must be positive (got 0)",
+                        "--n-layers", "a positive number of layers"),
+    "trace past end": Case("`--trace-start 5 --steps 2`", [S1, *T, "--trace-memory", "--trace-start", "5"],
+                           "--trace-start 5 is past the last step (1)", "--trace-start",
+                           "an earlier step, more steps, or --no-trace-memory"),
+    "no such device": Case("`--device tpu`", [S1, *T, "--device", "tpu"], "--device 'tpu': choose auto, cpu or cuda",
+                           "--device", "auto, cpu or cuda"),
+    "cuda without gpu": Case("`--device cuda` without a GPU", [S1, *T, "--device", "cuda"],
+                             "--device cuda was asked for but no CUDA GPU is visible", "--device",
+                             "--device cpu", cpu_only=True),
+    # ---- checkpoints and --out shared between runs
+    "another run's checkpoint": Case(
+        "`--resume` with other flags than the checkpoint's run (here `--lr`, `--seed`)",
+        [S1, *T, "--steps", "4", "--resume", "--lr", "0.001", "--seed", "1"],
+        "holds a checkpoint of another run (step_00000001): --lr 0.003 there, 0.001 here; --seed 0 there, 1 here",
+        "--lr", "the same flags, another --out, or delete its checkpoints", setup="checkpoint"),
+    "beside another run's checkpoint": Case(
+        "`--ckpt-every` into an `--out` holding another run's checkpoints", [S1, *T, "--ckpt-every", "1",
+                                                                           "--global-batch-size", "8"],
+        "holds a checkpoint of another run (step_00000001): --global-batch-size 4 there, 8 here", "--global-batch-size",
+        "the same flags with --resume, another --out, or delete its checkpoints", setup="checkpoint"),
+    "finished run": Case("`--resume` of a run that is done", [S1, *T, "--resume"],
+                         "is at step 1, the last of --steps 2 or past it: nothing is left to train", "--steps",
+                         "raise --steps to continue", setup="checkpoint"),
+    "corrupt meta.json": Case("`--resume` from a checkpoint whose `meta.json` is not JSON", [S1, *T, "--steps", "4",
+                                                                                            "--resume"],
+                              "meta.json cannot be read (JSONDecodeError)", "step_00000001",
+                              "move that checkpoint aside: the one before it is used", setup="bad_meta"),
+    "truncated checkpoint": Case("`--resume` from a truncated `.distcp` file (a full disk)",
+                                 [S1, *T, "--steps", "4", "--resume"], "cannot be read", "step_00000001",
+                                 "move it aside to resume from the one before it", setup="truncated"),
+    "checkpoint unwritable": Case("a checkpoint that cannot be written (`<out>/checkpoints` is not a folder; a full "
+                                  "disk says the same)", [S1, *T, "--ckpt-every", "1"],
+                                  "the checkpoint of step 0 could not be written to", "checkpoints",
+                                  "free space or make the folder writable, then --resume", setup="ckpt_file"),
+    "live run in out": Case("a second run into the `--out` of a live one", [S1, *T],
+                            "is writing into --out", "--out", "wait for it, or use another --out", setup="live_lock"),
+    # ---- chapter 2
+    "unknown amp": Case("`train_amp.py --amp fp8`", [S2 + "train_amp.py", *T, "--amp", "fp8"],
+                        "unknown --amp 'fp8'; choose one of", "--amp", "bf16, fp16 or off"),
+    "unknown ac": Case("`train_amp_ac.py --ac sometimes`", [S2 + "train_amp_ac.py", *T, "--ac", "sometimes"],
+                       "unknown --ac mode 'sometimes'", "--ac", "none, full or selective"),
+    "zero ac-every": Case("`train_amp_ac.py --ac-every 0`", [S2 + "train_amp_ac.py", *T, "--ac-every", "0"],
+                          "--ac-every must be positive (got 0)", "--ac-every", "checkpoint every k-th block, k >= 1"),
+    "uneven accum": Case("`train_accum.py --grad-accum 3` with a batch of 4",
+                         [S2 + "train_accum.py", *T, "--grad-accum", "3"],
+                         "--grad-accum 3 does not split --global-batch-size 4 into equal micro-batches",
+                         "--grad-accum", "a divisor of the batch"),
+    "zero accum": Case("`train_accum.py --grad-accum 0`", [S2 + "train_accum.py", *T, "--grad-accum", "0"],
+                       "--grad-accum must be positive (got 0)", "--grad-accum", "a positive number"),
+    "bench batch": Case("`bench_memory_savers.py --global-batch-size 6`",
+                        [S2 + "bench_memory_savers.py", *T, "--global-batch-size", "6"],
+                        "the accumulation set-ups split the batch in 4", "--global-batch-size",
+                        "a multiple of 4"),
+    "bench threads": Case("`bench_memory_savers.py --threads 0`", [S2 + "bench_memory_savers.py", *T, "--threads",
+                                                                   "0"],
+                          "--threads must be at least 1 (got 0)", "--threads", "1 or more"),
+    # ---- chapter 3, one rank (plain python)
+    "powersgd rank": Case("`train_ddp.py --comm-hook powersgd --powersgd-rank 0`",
+                          [S3 + "train_ddp.py", *T, "--comm-hook", "powersgd", "--powersgd-rank", "0"],
+                          "--powersgd-rank must be at least 1 (got 0)", "--powersgd-rank", "a rank of 1 or more"),
+    "unknown hook": Case("`train_ddp.py --comm-hook zip`", [S3 + "train_ddp.py", *T, "--comm-hook", "zip"],
+                         "argument --comm-hook: invalid choice: 'zip'", "--comm-hook", "none, fp16, bf16 or powersgd"),
+    "hsdp mesh": Case("`train_fsdp.py --hsdp 2 2` on the wrong number of ranks",
+                      [S3 + "train_fsdp.py", *T, "--hsdp", "2", "2"],
+                      "a 2 x 2 mesh (replicate, shard) needs 4 ranks but 1 were launched", "replicate, shard",
+                      "make replicas x shards equal the ranks launched"),
+    "hsdp one number": Case("`train_fsdp.py --hsdp 2`", [S3 + "train_fsdp.py", *T, "--hsdp", "2"],
+                            "argument --hsdp: expected 2 arguments", "--hsdp", "two numbers: replicas and shards"),
+    "unknown schedule": Case("`train_pp.py --schedule zigzag`", [S3 + "train_pp.py", *T, "--schedule", "zigzag"],
+                             "--schedule 'zigzag': choose one of", "--schedule", "a schedule from the list"),
+    "zero microbatches": Case("`train_pp.py --microbatches 0`", [S3 + "train_pp.py", *T, "--microbatches", "0"],
+                              "--microbatches must be positive (got 0)", "--microbatches", "1 or more"),
+    "2d negative tp": Case("`train_2d.py --tp -2`", [S3 + "train_2d.py", *T, "--tp", "-2"],
+                           "--dp and --tp must be positive", "--tp", "positive degrees"),
+    "3d mesh": Case("`train_3d.py --pp 2 --dp 1 --tp 1` on one rank", [S3 + "train_3d.py", *T, "--pp", "2", "--dp",
+                                                                      "1", "--tp", "1"],
+                    "a 2 x 1 x 1 mesh (pp, dp, tp) needs 2 ranks but 1 were launched", "pp, dp, tp",
+                    "make pp x dp x tp equal the ranks launched"),
+    "hooks alone": Case("`compare_comm_hooks.py` under plain python", [S3 + "compare_comm_hooks.py", *T],
+                        "needs at least 2 ranks; launch it with torchrun", "compare_comm_hooks.py",
+                        "torchrun --nproc-per-node 2 or more"),
+    "unknown hooks": Case("`compare_comm_hooks.py --comm-hooks fp16,zip`",
+                          [S3 + "compare_comm_hooks.py", *T, "--comm-hooks", "fp16,zip"],
+                          "argument --comm-hooks: 'fp16,zip': give a comma-separated list", "--comm-hooks",
+                          "hooks from none, fp16, bf16, powersgd"),
+    "bench budget": Case("`bench_collectives.py --budget nan`", [S3 + "bench_collectives.py", "--device", "cpu",
+                                                                "--budget", "nan"],
+                         "--budget between 0 and 3600 seconds (got nan)", "--budget", "seconds per timed block"),
+    "bench ops": Case("`bench_collectives.py --ops scatter`", [S3 + "bench_collectives.py", "--device", "cpu", "--ops",
+                                                               "scatter"],
+                      "--ops 'scatter': choose from", "--ops", "collectives from the list"),
+    "bench max-size": Case("`bench_collectives.py --max-size 1000000000000000`",
+                           [S3 + "bench_collectives.py", "--device", "cpu", "--max-size", "1000000000000000"],
+                           "do not fit in this machine's", "--max-size", "a size that fits (it says the most)"),
+    "bench alone": Case("`bench_collectives.py` under plain python", [S3 + "bench_collectives.py", "--device", "cpu",
+                                                                      "--out", "{tmp}/out"],
+                        "needs at least 2 ranks; launch it with torchrun", "bench_collectives.py",
+                        "torchrun --nproc-per-node 2 or more"),
+    "ring iters": Case("`ring_allreduce.py --iters 0`", [S3 + "ring_allreduce.py", "--device", "cpu", "--iters", "0"],
+                       "--iters must be positive", "--iters", "1 or more"),
+    "ring max-size": Case("`ring_allreduce.py --max-size 1000000000000000`",
+                          [S3 + "ring_allreduce.py", "--device", "cpu", "--max-size", "1000000000000000"],
+                          "do not fit in this machine's", "--max-size", "a size that fits (it says the most)"),
+    "dp gpus": Case("`dp_vs_ddp.py --gpus 1`", [S3 + "dp_vs_ddp.py", *T, "--gpus", "1"],
+                    "--gpus 1: the comparison needs at least 2 GPUs", "--gpus", "2 or more GPUs"),
+    "ddp zero accum": Case("`train_ddp.py --grad-accum 0`", [S3 + "train_ddp.py", *T, "--grad-accum", "0"],
+                           "--grad-accum must be positive (got 0)", "--grad-accum", "a positive number"),
+    "pp uneven microbatches": Case("`train_pp.py --microbatches 3` with a batch of 4",
+                                   [S3 + "train_pp.py", *T, "--microbatches", "3"],
+                                   "--global-batch-size 4 does not split into 3 equal micro-batches",
+                                   "--global-batch-size", "a batch that is a multiple of the micro-batches"),
+    "batch beyond the data": Case("`--global-batch-size 100000000`", [S1, *T, "--global-batch-size", "100000000"],
+                                  "fewer than one global batch of 100000000", "--global-batch-size",
+                                  "more text, a shorter --seq-len or a smaller batch"),
+    # ---- chapter 3, two ranks (one torchrun job)
+    "tp sequence split": Case("`train_tp.py --sequence-parallel --seq-len 33` on 2 ranks",
+                              [S3 + "train_tp.py", *T, "--sequence-parallel", "--seq-len", "33"],
+                              "--seq-len 33 is not divisible by the tensor-parallel degree 2", "--seq-len",
+                              "a multiple of the degree", ranks=2),
+    "1f1b too few": Case("`train_pp.py --microbatches 1` on 2 stages", [S3 + "train_pp.py", *T, "--microbatches", "1"],
+                         "1f1b needs at least as many micro-batches as pipeline ranks", "--microbatches",
+                         "at least one per stage", ranks=2),
+    "fsdp hsdp 1x3": Case("`train_fsdp.py --hsdp 1 3` on 2 ranks", [S3 + "train_fsdp.py", *T, "--hsdp", "1", "3"],
+                          "a 1 x 3 mesh (replicate, shard) needs 3 ranks but 2 were launched", "replicate, shard",
+                          "replicas x shards = ranks", ranks=2),
+    "fail-rank of two": Case("`train_ddp.py --fail-at-step 0 --fail-rank 2` on 2 ranks",
+                             [S3 + "train_ddp.py", *T, "--fail-at-step", "0", "--fail-rank", "2"],
+                             "--fail-rank 2 does not exist: this run has ranks 0 to 1", "--fail-rank",
+                             "a rank of the run", ranks=2),
+    "powersgd start": Case("`compare_comm_hooks.py --comm-hooks powersgd --powersgd-start-iter 1`",
+                           [S3 + "compare_comm_hooks.py", *T, "--comm-hooks", "powersgd", "--powersgd-start-iter",
+                            "1"],
+                           "--powersgd-start-iter must be at least 2 (got 1)", "--powersgd-start-iter",
+                           "2 or more: DDP rebuilds its buckets after step 1", ranks=2),
+    # ---- tools
+    "estimate hsdp": Case("`tools/estimate.py --strategy hsdp --hsdp-shard 3 --world-size 4`",
+                          ["tools/estimate.py", "--strategy", "hsdp", "--hsdp-shard", "3", "--world-size", "4"],
+                          "a 1 x 3 mesh (replicate, shard) needs 3 ranks but 4 are in --world-size", "--world-size",
+                          "a shard group size that divides the world"),
+    "estimate stages": Case("`tools/estimate.py --strategy pp --world-size 8 --model debug` (4 layers)",
+                            ["tools/estimate.py", "--strategy", "pp", "--world-size", "8", "--model", "debug",
+                             "--seq-len", "64"],
+                            "8 pipeline stages (8 ranks x 1 with 1f1b) but the model has only 4 layers",
+                            "--n-layers", "fewer stages or more layers"),
+    "estimate tp": Case("`tools/estimate.py --strategy tp --world-size 3 --model debug`",
+                        ["tools/estimate.py", "--strategy", "tp", "--world-size", "3", "--model", "debug",
+                         "--seq-len", "64"],
+                        "is not divisible by the tensor-parallel degree 3", "n_heads",
+                        "a degree that divides the heads"),
+    "estimate zero": Case("`tools/estimate.py --n-layers 0` (or `--hsdp-shard 0`, `--microbatches 0`)",
+                          ["tools/estimate.py", "--n-layers", "0"], "--n-layers must be positive (got 0)",
+                          "--n-layers", "positive numbers: 0 is not 'the default'"),
+    "estimate gpu-mem": Case("`tools/estimate.py --gpu-mem nan`", ["tools/estimate.py", "--gpu-mem", "nan"],
+                             "--gpu-mem must be a positive number of GiB (got nan)", "--gpu-mem",
+                             "the GiB one GPU reports"),
+    "compare corrupt": Case("`tools/compare.py` of a run whose `summary.json` is damaged",
+                            ["tools/compare.py", "{tmp}/run", "--out", "{tmp}/cmp"],
+                            "summary.json cannot be read (JSONDecodeError", "summary.json",
+                            "rerun that run, or leave its folder out", setup="bad_summary"),
+    "compare missing": Case("`tools/compare.py runs/nothing`", ["tools/compare.py", "{tmp}/nothing", "--out",
+                                                                "{tmp}/cmp"],
+                            "does not exist; pass the --out folder of a finished run", "nothing",
+                            "the --out folder of a finished run"),
+    "multirun json": Case("`tools/multirun.py --runs nope`", ["tools/multirun.py", "--runs", "nope"],
+                          "--runs is not JSON", "--runs", "a JSON list of {name, script, argv}"),
+    "multirun script": Case("`tools/multirun.py` with a script that is not there",
+                            ["tools/multirun.py", "--runs", '[{"name": "a", "script": "nope.py", "argv": []}]'],
+                            "script 'nope.py' is not a file of this repository", "nope.py",
+                            "a script path relative to the repository"),
+    "bench_model batch": Case("`tools/bench_model.py --batch 0`", ["tools/bench_model.py", "--batch", "0"],
+                              "--batch must be positive and --seq-len between 1 and 2048", "--batch",
+                              "a positive batch, a length the preset supports"),
+    "gpu_check timeout": Case("`tools/gpu_check.py --timeout nan`", ["tools/gpu_check.py", "--timeout", "nan"],
+                              "--timeout must be between 1 and 86400 seconds (got nan)", "--timeout",
+                              "seconds per launch"),
+    "bubble counts": Case("`tools/pipeline_bubble.py --microbatches 1,x`",
+                          ["tools/pipeline_bubble.py", "--microbatches", "1,x"],
+                          "--microbatches '1,x': give comma-separated positive whole numbers", "--microbatches",
+                          "counts like 1,2,4,8"),
+    "bubble schedule": Case("`tools/pipeline_bubble.py --schedules zb`", ["tools/pipeline_bubble.py", "--schedules",
+                                                                         "zb"],
+                            "--schedules 'zb': give a comma-separated list of gpipe and 1f1b", "--schedules",
+                            "gpipe, 1f1b or both"),
+}
+
+
+# ---- what some cases need in their folder first --------------------------------------------
+def _checkpoint(tmp: Path, cache: dict):
+    """A finished two-step step-1 run with a checkpoint at each step (made once, then copied)."""
+    if "checkpoint" not in cache:
+        made = Path(cache["root"]) / "_checkpoint"
+        code, err = run_script(S1, [a.replace("{tmp}", str(made)) for a in T] + ["--ckpt-every", "1"])
+        assert code == 0, f"the run the checkpoint cases start from failed: {err}"
+        (made / "out" / ".run.lock").unlink(missing_ok=True)
+        cache["checkpoint"] = made / "out"
+    shutil.copytree(cache["checkpoint"], tmp / "out")
+
+
+def checkpoint(tmp, cache):
+    _checkpoint(tmp, cache)
+
+
+def bad_meta(tmp, cache):
+    _checkpoint(tmp, cache)
+    (tmp / "out" / "checkpoints" / "step_00000001" / "meta.json").write_text("{\"step\": 1,")
+
+
+def truncated(tmp, cache):
+    _checkpoint(tmp, cache)
+    data = next((tmp / "out" / "checkpoints" / "step_00000001").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+
+
+def ckpt_file(tmp, cache):
+    (tmp / "out").mkdir()
+    (tmp / "out" / "checkpoints").write_text("not a folder")
+
+
+def make_file(tmp, cache):
+    (tmp / "notes.txt").write_text("my notes")
+
+
+def live_lock(tmp, cache):
+    import socket
+    (tmp / "out").mkdir()
+    # the parent of this process: alive, and not this process (whose own lock is taken over)
+    (tmp / "out" / ".run.lock").write_text(f"{os.getppid()} {socket.gethostname()}\n")
+
+
+def bad_summary(tmp, cache):
+    (tmp / "run").mkdir()
+    (tmp / "run" / "summary.json").write_text('{"global_batch_size": 4, "seq_')  # a run killed mid-write
+
+
+# ---- running them ------------------------------------------------------------------------------
+def run_script(script: str, argv: list[str]) -> tuple[int, str]:
+    """The script's main() in this process with ``argv``: (exit code, what it printed on
+    stderr). tools/multirun.py's runner, which knows how to start a script a second time."""
+    import contextlib
+    import importlib
+    import io
+    from tools.multirun import run_script as run
+    hook = sys.excepthook  # init_process_group chains a rank prefix onto it, once per run
+    try:
+        if not script.startswith("tools/"):
+            return run(script, argv, capture_stderr=True)
+        # a tool is a module of the tools package (its dataclasses need it in sys.modules)
+        module = importlib.import_module("tools." + Path(script).stem)
+        saved, sys.argv, err = sys.argv, [script, *argv], io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                code = module.main()  # a tool may return its exit code (sys.exit(main()))
+            return (code if isinstance(code, int) else 0), err.getvalue()
+        except SystemExit as e:
+            return (e.code if isinstance(e.code, int) else 1), err.getvalue()
+        finally:
+            sys.argv = saved
+    finally:
+        sys.excepthook = hook
+
+
+def argv_of(case: Case, tmp: Path) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)) for a in case.argv]
+
+
+def run_case(name: str, root: Path, cache: dict | None = None) -> dict:
+    """Run one case in this process, in its own folder under ``root``: its exit code,
+    stderr (the folder written as {tmp}) and seconds."""
+    case = CASES[name]
+    tmp = root / name.replace(" ", "_").replace("'", "")
+    tmp.mkdir(parents=True, exist_ok=True)
+    cache = cache if cache is not None else {}
+    cache.setdefault("root", str(root))
+    if case.setup:
+        globals()[case.setup](tmp, cache)
+    script, *argv = argv_of(case, tmp)
+    t = time.perf_counter()
+    code, err = run_script(script, argv)
+    return {"code": code, "stderr": err.replace(str(tmp), "{tmp}"), "seconds": time.perf_counter() - t}
+
+
+def applicable(case: Case) -> bool:
+    if case.cpu_only:
+        import torch
+        return not torch.cuda.is_available()
+    return True
+
+
+def problems(case: Case, result: dict, limit_s: float) -> list[str]:
+    """What is wrong with how a case ended ([] when it ended as it should)."""
+    err, bad = result["stderr"], []
+    if result["code"] in (0, None):
+        bad.append(f"exit code {result['code']}, not an error")
+    if "Traceback" in err:
+        bad.append("a traceback")
+    if case.says not in err:
+        bad.append(f"no {case.says!r}")
+    elif case.names not in err:
+        bad.append(f"the sentence does not name {case.names!r}")
+    if result["seconds"] > limit_s:
+        bad.append(f"took {result['seconds']:.1f} s")
+    return bad
+
+
+def markdown_table() -> str:
+    """The troubleshooting table of step4_multi_node/README.md."""
+    lines = ["| what was tried | what you see (one line on stderr, exit code 2) | what to do |", "|---|---|---|"]
+    for case in CASES.values():
+        says = case.says.replace("|", "\\|")
+        lines.append(f"| {case.did} | `...{says}...` | {case.fix} |")
+    return "\n".join(lines)
+
+
+def table(suffix: str = "") -> dict[str, str]:
+    """For tools/figures.py's POST_STEPS: the README block (no run needed, any device)."""
+    return {} if suffix else {"misuse": markdown_table()}
+
+
+def worker(names: list[str], out: str):
+    """Inside one torchrun job: run the named two-rank cases one after another; rank 0
+    writes every rank's results to ``out``."""
+    import torch.distributed as dist
+    root = Path(out).parent / "misuse_cases"  # the same --out on every rank, as a person would give
+    mine = {name: run_case(name, root) for name in names}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store.set(f"misuse_{os.environ['RANK']}", json.dumps(mine))  # the groups the scripts made are gone
+    if os.environ["RANK"] == "0":
+        world = int(os.environ["WORLD_SIZE"])
+        store.wait([f"misuse_{r}" for r in range(world)])
+        Path(out).write_text(json.dumps({r: json.loads(store.get(f"misuse_{r}")) for r in range(world)}))
+
+
+def main(argv=None):
+    import argparse
+    import tempfile
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return worker(args.worker.split(","), args.json)
+    with tempfile.TemporaryDirectory() as root:
+        cache = {}
+        for name, case in CASES.items():
+            if case.ranks > 1 or not applicable(case):
+                continue
+            r = run_case(name, Path(root), cache)
+            print(f"{name}: exit {r['code']}, {r['seconds']:.1f} s: {r['stderr'].strip()[-300:]}")
+
+
+if __name__ == "__main__":
+    main()
