@@ -93,6 +93,11 @@ def check_flags(args):
         raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
     if args.fail_rank < 0:
         raise UserError(f"--fail-rank cannot be negative (got {args.fail_rank}).")
+    # torchrun says the world size before any group exists: refuse here, on every rank alike.
+    # (Refused later, after DDP's first collectives, the ranks' gloo teardown could hang.)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.fail_at_step is not None and args.fail_rank >= world and not getattr(args, "fake_world_size", None):
+        raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to {world - 1}.")
 
 
 META_KEYS = ("step", "model", "model_config", "world_size", "parallel", "global_batch_size", "seq_len", "seed",

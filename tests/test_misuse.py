@@ -24,15 +24,15 @@ LIMIT_S = 30  # per in-process case; the slowest (a checkpoint written, then ref
 
 @pytest.fixture(scope="module")
 def torchrun_job(tmp_path_factory):
-    """The two-rank cases in one torchrun job, started now and collected by the tests at the end."""
+    """The two-rank cases, each in a torchrun job, started now and collected by the tests at the end."""
     folder = tmp_path_factory.mktemp("misuse_torchrun")
     out = folder / "results.json"
     # into a file, not a pipe: nobody reads a pipe while the in-process cases run, and a
     # full one would stall the job
     with open(folder / "log.txt", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", "tools/misuse.py", "--worker", ",".join(TWO), "--json", str(out)],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        # one torchrun job per case, one after another (tools/misuse.py:two_rank_jobs says why)
+        proc = subprocess.Popen([sys.executable, "tools/misuse.py", "--two-rank-jobs", ",".join(TWO), "--json",
+                                 str(out)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -148,7 +148,7 @@ def test_every_script_with_pg_timeout_hands_it_to_its_process_group(monkeypatch,
     seen = {}
 
     @contextlib.contextmanager
-    def distributed(device="auto", backend=None, timeout_s=300.0):
+    def distributed(device="auto", backend=None, timeout_s=300.0, **dry_run):
         seen[script] = timeout_s
         raise UserError("stopped before any work")
         yield

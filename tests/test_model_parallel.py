@@ -250,7 +250,11 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
     (memory,) = mine["memory"]
     assert memory["rank"] == rank
     assert memory["before_optimizer"] == real["memory"][rank]["before_optimizer"]
-    assert memory["peak_by_category"] == real["memory"][rank]["peak_by_category"]
+    # every category's peak exactly, but "other": a real rank's collectives hold their buffers
+    # until they complete, a fake one's complete at once, so its temporaries can peak lower
+    want, got = real["memory"][rank]["peak_by_category"], memory["peak_by_category"]
+    assert {k: v for k, v in got.items() if k != "other"} == {k: v for k, v in want.items() if k != "other"}
+    assert 0.8 * want["other"] <= got["other"] <= want["other"], (got["other"], want["other"])
     (sent,) = mine["comm"]
     assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
 

@@ -419,13 +419,36 @@ def worker(names: list[str], out: str):
     writes every rank's results to ``out``."""
     import torch.distributed as dist
     root = Path(out).parent / "misuse_cases"  # the same --out on every rank, as a person would give
-    mine = {name: run_case(name, root) for name in names}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    world = int(os.environ["WORLD_SIZE"])
+    mine = {name: run_case(name, root) for name in names}
     store.set(f"misuse_{os.environ['RANK']}", json.dumps(mine))  # the groups the scripts made are gone
     if os.environ["RANK"] == "0":
-        world = int(os.environ["WORLD_SIZE"])
         store.wait([f"misuse_{r}" for r in range(world)])
         Path(out).write_text(json.dumps({r: json.loads(store.get(f"misuse_{r}")) for r in range(world)}))
+
+
+def two_rank_jobs(names: list[str], out: str, timeout_s: float = 60) -> int:
+    """Each named two-rank case in a torchrun job of its own, one after another; every
+    rank's results merged into ``out``. One job per case, so that one case's end cannot
+    reach into the next: `--fail-rank 2` on two ranks, refused once after DDP's first
+    collectives, hung in gloo's teardown about one run in three (it is now refused before
+    any process group exists); a job per case names the case if such a hang comes back."""
+    import subprocess
+    merged: dict = {}
+    for name in names:
+        part = Path(out).with_name(f"{Path(out).stem}_{name.replace(' ', '_')}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, "--worker", name, "--json", str(part)]
+        try:
+            subprocess.run(cmd, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"[misuse] {name}: the two-rank job did not end within {timeout_s:.0f} s", flush=True)
+            return 1
+        for rank, cases in json.loads(part.read_text()).items():
+            merged.setdefault(rank, {}).update(cases)
+    Path(out).write_text(json.dumps(merged))
+    return 0
 
 
 def main(argv=None):
@@ -435,7 +458,10 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--two-rank-jobs", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.two_rank_jobs is not None:
+        sys.exit(two_rank_jobs(args.two_rank_jobs.split(","), args.json))
     if args.worker is not None:
         return worker(args.worker.split(","), args.json)
     with tempfile.TemporaryDirectory() as root:
