@@ -208,6 +208,15 @@ def check_dry_run(args: argparse.Namespace) -> None:
                             f"(the other ranks' parts never arrive); drop {flag}.")
 
 
+def refuse_run_flags(args: argparse.Namespace, script: str) -> None:
+    """For the scripts that share the flags but not the Run object (comparisons, benchmarks):
+    what only a training run does is refused, not silently ignored."""
+    for flag, on in (("--profile", args.profile), ("--save-weights", args.save_weights)):
+        if on:
+            raise UserError(f"{script} does not take {flag} (it compares or times runs of its own); use {flag} with "
+                            f"a training script.")
+
+
 def saver_label(args: argparse.Namespace) -> str:
     """The savers a run uses, for titles: "AMP bf16 + full AC + compiled" ("" without saver flags)."""
     parts = []

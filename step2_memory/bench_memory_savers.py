@@ -41,6 +41,7 @@ def main():
                    help="CPU threads (default 1: on a busy machine a second OpenMP thread that is not "
                         "scheduled stalls every op, unevenly across set-ups)")
     args = cli.parse(p)
+    cli.refuse_run_flags(args, "step2_memory/bench_memory_savers.py")
     if args.threads < 1:
         raise UserError(f"--threads must be at least 1 (got {args.threads}).")
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:

@@ -150,6 +150,7 @@ def main():
     add_comm_hook_flag(p, several=True)
     p.set_defaults(trace_memory=False)  # memory is not this lesson: see the DDP chapter
     args = cli.parse(p)
+    cli.refuse_run_flags(args, "step3_multi_gpu/compare_comm_hooks.py")
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         require_launcher(ctx, "step3_multi_gpu/compare_comm_hooks.py")
         # bf16 is in the default list but DDP refuses it on CPU-only builds: say so and go

@@ -182,6 +182,7 @@ def main():
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.set_defaults(trace_memory=False, steps=30)
     args = cli.parse(p)
+    cli.refuse_run_flags(args, "step3_multi_gpu/dp_vs_ddp.py")
     args.script = "dp_vs_ddp"
     if args.gpus is not None and args.gpus < 2:  # checked first: the CPU explanation would use it
         raise UserError(f"--gpus {args.gpus}: the comparison needs at least 2 GPUs.")

@@ -163,3 +163,13 @@ def test_every_script_with_pg_timeout_hands_it_to_its_process_group(monkeypatch,
         code, err = misuse.run_script(script, argv)
         assert code == 2 and "stopped before any work" in err, (script, err)
     assert seen == {s: 7.0 for s in scripts}
+
+
+@pytest.mark.parametrize("script", ["step3_multi_gpu/compare_comm_hooks.py", "step3_multi_gpu/dp_vs_ddp.py",
+                                    "step2_memory/bench_memory_savers.py"])
+def test_scripts_without_a_run_refuse_what_only_a_run_does(script, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in misuse.T] + ["--profile"]
+    code, err = misuse.run_script(script, argv)
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"error: {script} does not take --profile (it compares or times runs of its own); use --profile with a "
+        f"training script."), err
