@@ -26,6 +26,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g = p.add_argument_group("shared by every script")
     g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
     g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="override the vocabulary (default: 256, one token per byte); any other size trains on "
+                        "--data synthetic, random token ids, to size a layout like a published model's")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps to train (default: 100)")
     g.add_argument("--global-batch-size", type=int, default=8,
                    help="sequences per optimizer step, summed over data-parallel ranks (default: 8)")
@@ -80,8 +83,9 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--seed must be between 0 and 2**63 - 1 (got {args.seed}).")
     if args.n_layers is not None and args.n_layers <= 0:
         raise UserError(f"--n-layers must be positive (got {args.n_layers}).")
+    check_vocab_size(args.vocab_size, args.data)
     try:
-        args.model_config = get_config(args.model, n_layers=args.n_layers)
+        args.model_config = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
         raise UserError(str(e)) from None
     _check_it_can_fit(args)
@@ -100,6 +104,17 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
     check_writable(args.out)
     return args
+
+
+def check_vocab_size(vocab_size: int | None, data: str) -> None:
+    """Real text is bytes: a vocabulary other than 256 only makes sense with random token ids."""
+    if vocab_size is None:
+        return
+    if not 2 <= vocab_size <= 2**31 - 1:
+        raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {vocab_size}).")
+    if vocab_size != 256 and data != "synthetic":
+        raise UserError(f"--vocab-size {vocab_size} needs --data synthetic: the text is read as bytes (256 tokens), "
+                        f"so real text would leave most of a larger vocabulary unused and overflow a smaller one.")
 
 
 def check_writable(out: Path):
@@ -129,6 +144,8 @@ def _check_it_can_fit(args):
     from common.model import count_params
     need = 16 * count_params(args.model_config)
     nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if (getattr(args, "fake_world_size", None) or 0) > 1:  # a dry run's rank is one of that many machines
+        nodes = args.fake_world_size
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) \
         if torch.cuda.is_available() else 0

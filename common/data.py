@@ -29,7 +29,7 @@ SYNTHETIC_TOKENS = 4_000_000
 @dataclass
 class Corpus:
     name: str
-    train: torch.Tensor  # uint8 tokens
+    train: torch.Tensor  # token ids: uint8 bytes (int32 for a synthetic vocabulary beyond 256)
     val: torch.Tensor
     train_files: list[str]
     val_files: list[str]
@@ -86,13 +86,17 @@ def _read(files: list[Path], what: str) -> torch.Tensor:
 _CACHE: dict[str, Corpus] = {}
 
 
-def load_corpus(spec: str, seed: int = 0) -> Corpus:
-    """``stdlib`` (default), ``synthetic`` (seeded random bytes), or a path to text."""
+def load_corpus(spec: str, seed: int = 0, vocab_size: int = 256) -> Corpus:
+    """``stdlib`` (default), ``synthetic`` (seeded random token ids below ``vocab_size``: bytes
+    by default), or a path to text (bytes: ``vocab_size`` must be 256, cli.check_vocab_size)."""
     if spec == "synthetic":
         g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, 256, (SYNTHETIC_TOKENS,), generator=g, dtype=torch.uint8)
+        dtype = torch.uint8 if vocab_size <= 256 else torch.int32  # the default draws the same bytes as ever
+        tokens = torch.randint(0, vocab_size, (SYNTHETIC_TOKENS,), generator=g, dtype=dtype)
         cut = int(len(tokens) * (1 - 1 / VAL_EVERY))
         return Corpus("synthetic", tokens[:cut], tokens[cut:], [], [])
+    if vocab_size != 256:
+        raise UserError(f"--vocab-size {vocab_size} needs --data synthetic: text is read as bytes (256 tokens).")
     if spec == "stdlib" and "stdlib" in _CACHE:
         return _CACHE["stdlib"]
     root, files = _stdlib_files() if spec == "stdlib" else _text_files(Path(spec))

@@ -60,13 +60,15 @@ class ModelConfig:
 # the CPU walkthrough model, and the larger ones have the shapes of well-known models:
 # ``1b`` is Llama 3.2 1B's and ``8b`` is Llama 3 8B's layer stack. With a 256-entry byte
 # vocabulary their embeddings are tiny, so ``8b`` has 7.0B parameters, not 8.0B (Llama 3's
-# 128K-token vocabulary accounts for the other billion).
+# 128K-token vocabulary accounts for the other billion: ``--vocab-size 128256`` restores it,
+# and ``8b`` takes Llama 3's 8192-token context, so published layouts can be sized as they are).
 PRESETS: dict[str, ModelConfig] = {
     "debug": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=256),
     "small": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=1024),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3584),
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
-    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0),
+    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0,
+                      max_seq_len=8192),
 }
 
 

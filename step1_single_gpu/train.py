@@ -25,7 +25,7 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 def main():
     args = cli.parse(cli.parser(__doc__))
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)

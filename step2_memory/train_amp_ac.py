@@ -35,7 +35,7 @@ def main():
     args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         cli.check_memory_savers(args, ctx.device)
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)

@@ -161,7 +161,7 @@ def main():
             check_comm_hook(hook, **powersgd_options(args))
         for why in skipped.values():
             ctx.print(f"skipping it: {why}")
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         results = {hook: train_with_hook(hook, args, ctx, corpus) for hook in hooks}
         if ctx.is_main:
             md, table = report(results, skipped, args, ctx)

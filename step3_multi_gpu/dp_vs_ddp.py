@@ -97,7 +97,7 @@ For data parallelism that runs here, see train_ddp.py:  torchrun --nproc-per-nod
 def train_dp(args, n: int) -> dict:
     """nn.DataParallel in this process over GPUs 0..n-1."""
     with distributed("cuda", timeout_s=args.pg_timeout) as ctx:  # one process: world size 1, GPU 0
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         model = nn.DataParallel(model, device_ids=list(range(n)))  # output_device: GPU 0
@@ -128,7 +128,7 @@ def train_dp(args, n: int) -> dict:
 def train_ddp(args) -> None:
     """DDP, one process per GPU; started by torchrun (see main)."""
     with distributed("cuda", timeout_s=args.pg_timeout) as ctx:
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size,
                                dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed))
         model = build_model(args.model_config, ctx.device, seed=args.seed)

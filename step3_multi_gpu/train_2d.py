@@ -54,7 +54,7 @@ def main():
         check_tp(args.model_config, args.tp, args.seq_len, args.sequence_parallel)
         # tp is the inner (last) dimension: consecutive ranks, i.e. the GPUs of one node.
         mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # The data is split along dp only: the ranks of one TP group read the same samples.
         micro_batch_size(args.global_batch_size, dp, args.grad_accum)  # splits evenly?
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,

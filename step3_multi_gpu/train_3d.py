@@ -76,7 +76,7 @@ def main():
         check_pp(args.model_config, args.pp, args.schedule, args.microbatches, args.global_batch_size // args.dp)
         mesh = ctx.mesh((args.pp, args.dp, args.tp), ("pp", "dp", "tp"))
         pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, dp_rank=dp_rank, dp_size=args.dp,
                        seed=args.seed)
 

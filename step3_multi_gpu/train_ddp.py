@@ -49,7 +49,7 @@ def main(argv=None):
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         mesh = ctx.mesh()  # 1-D: every rank is a data-parallel replica
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.

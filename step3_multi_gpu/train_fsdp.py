@@ -54,7 +54,7 @@ def main(argv=None):
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Each rank draws its own slice of each batch (a DistributedSampler, whose set_epoch
         # reshuffles every pass over the data the same way on all ranks). One loader batch
         # is one micro-step of all ranks together.

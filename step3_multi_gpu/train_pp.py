@@ -59,7 +59,7 @@ def main():
         cli.check_memory_savers(args, ctx.device, fp16=False)
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 

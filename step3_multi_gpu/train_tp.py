@@ -50,7 +50,7 @@ def main():
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
         tp_mesh = ctx.mesh((ctx.world_size,), ("tp",))
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Not data parallel: every rank reads the same whole batch.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum, seed=args.seed)
 

@@ -117,6 +117,33 @@ def test_fits_means_under_usable_memory_not_the_card_total(capsys):
     assert "| no |" in rows["4"] and "| yes |" in rows["0"]  # the default headroom is what says no
 
 
+def test_dry_run_stands_beside_the_formula_and_the_trace(capsys):
+    """--dry-run runs rank 0 of the layout for real (train_fsdp.py --fake-world-size 4, a
+    subprocess): its model state equals the formula's to the byte, its activations the fake
+    trace's, and it sends what the formula says. A 512-token vocabulary on synthetic ids
+    checks that --vocab-size reaches the script, its data and the formulas alike (ids past
+    255 would fail the embedding of a 256-row model)."""
+    estimate_main(["--model", "debug", "--vocab-size", "512", "--world-size", "4", "--strategy", "fsdp",
+                   "--device", "cpu", "--batch", "4", "--seq-len", "64", "--trace", "--dry-run"])
+    out = capsys.readouterr().out
+    print(out)
+    rows = {line[:36].strip(): line[36:].split() for line in out.splitlines() if line.startswith("  ")}
+    for c in ("parameters", "gradients", "optimizer state"):
+        formula, tr, tr_ratio, dry, dry_ratio = rows[c]
+        assert tr_ratio == dry_ratio == "1.000", (c, rows[c])
+    _, tr, _, dry, _ = rows["activations"]
+    assert float(dry) == pytest.approx(float(tr), rel=0.02)
+    vocab = get_config("debug", vocab_size=512)
+    assert float(rows["parameters"][0]) == pytest.approx(4 * count_params(vocab) / 4 / 2**20, abs=0.005)
+    sent = next(line for line in out.splitlines() if "sent per step per rank:" in line)
+    moved = next(line for line in out.splitlines() if "the dry run's collectives per step:" in line)
+    formula = dict(kv.rsplit(" ", 2)[0:1] + [" ".join(kv.rsplit(" ", 2)[1:])] for kv in
+                   sent.split(": ", 1)[1].split(" (total")[0].split(", "))
+    measured = dict(kv.rsplit(" ", 2)[0:1] + [" ".join(kv.rsplit(" ", 2)[1:])] for kv in
+                    moved.split(": ", 1)[1].split(", "))
+    assert formula == measured and "all_gather" in measured
+
+
 BAD = [
     (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by --tp 4 x --pp 1"),
@@ -128,6 +155,11 @@ BAD = [
      "--trace runs pipeline parallelism alone"),
     (["--strategy", "tp", "--world-size", "4", "--model", "debug", "--seq-len", "64"],
      "the model's n_kv_heads (2) is not divisible by the tensor-parallel degree 4"),
+    (["--strategy", "single", "--model", "debug", "--seq-len", "64", "--dry-run"],
+     "--dry-run plays one rank of a multi-rank layout"),
+    (["--strategy", "all", "--world-size", "2", "--model", "debug", "--seq-len", "64", "--dry-run"],
+     "--dry-run runs one layout"),
+    (["--vocab-size", "1"], "--vocab-size must be between 2 and 2**31 - 1 (got 1)"),
 ]
 
 

@@ -3,6 +3,7 @@
     python -m tools.estimate --model 8b --world-size 4 --strategy fsdp
     python -m tools.estimate --model 8b --world-size 4 --strategy all --gpu-mem 79.65 --headroom 4
     python -m tools.estimate --model debug --world-size 4 --strategy fsdp --trace
+    python -m tools.estimate --model 1b --world-size 8 --strategy fsdp --seq-len 256 --batch 8 --device cpu --trace --dry-run
 
 From the formulas of common/measure/theory.py, and with ``--trace`` also from a real forward,
 backward and optimizer step of the model run under ``FakeTensorMode``: every tensor has
@@ -14,6 +15,13 @@ traced on the rank the formulas find fullest: that rank's stage replays the sche
 textbook order of micro-batch forwards and backwards (common/parallelize/pp.py's
 ``schedule_order``), with fake tensors standing in for what its neighbours would send.
 PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads values).
+
+``--dry-run`` runs the real thing for one rank: the step-3 script of the layout started with
+``--fake-world-size`` (plain python, PyTorch's fake process group: real tensors on
+``--device``, the collectives skipped), two steps, the second traced. Its bytes by category
+are what that rank of a real run holds (tests/test_step3a.py holds dry runs to real ones),
+measured by the device's own allocations rather than derived: the third column beside the
+formula and the fake-tensor trace.
 
 "Fits" compares the peak with the *usable* memory: what the card reports (an "80 GB"
 H100 reports 81,559 MiB = 79.65 GiB) less a headroom for what no formula here counts:
@@ -29,6 +37,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
@@ -66,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="override the vocabulary (default: 256 bytes; Llama 3's is 128256)")
     p.add_argument("--world-size", type=int, default=1, help="number of GPUs (default: 1)")
     p.add_argument("--strategy", default="fsdp",
                    help=f"{', '.join(STRATEGIES)} (fsdp = fsdp_zero3), or 'all' for a table (default: fsdp)")
@@ -88,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom", type=float, default=HEADROOM_GIB,
                    help=f"GiB kept back for the CUDA context, NCCL's buffers and allocator fragmentation; "
                         f"fits = peak <= gpu-mem - headroom (default: {HEADROOM_GIB:g})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="also run rank 0 of the layout for real, alone (the step-3 script with --fake-world-size), "
+                        "on --device: its measured bytes beside the formula's")
     p.add_argument("--trace", action="store_true",
                    help="also trace a real step under FakeTensorMode and a fake process group (rank 0; "
                         "under --strategy pp the fullest stage)")
@@ -120,8 +134,10 @@ def check(args) -> None:
     for flag in ("gpu_mem", "headroom"):
         if not math.isfinite(getattr(args, flag)):
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number of GiB (got {getattr(args, flag)}).")
+    if args.vocab_size is not None and not 2 <= args.vocab_size <= 2**31 - 1:
+        raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {args.vocab_size}).")
     try:
-        cfg = get_config(args.model, n_layers=args.n_layers)
+        cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
         raise UserError(str(e)) from None
     if args.seq_len > cfg.max_seq_len:
@@ -150,7 +166,7 @@ def check_layouts(ps) -> None:
 
 def plans(args) -> list[Plan]:
     """The configurations to estimate: one, or with --strategy all every one the world size allows."""
-    cfg = get_config(args.model, n_layers=args.n_layers)
+    cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     w = args.world_size
     batch = args.batch or w
     common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac, device=args.device,
@@ -344,6 +360,60 @@ def _traced(tracer) -> dict:
             "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"]}
 
 
+# ---- a dry run: the layout's own script, one rank, real tensors ---------------------------------
+def dry_run_command(p: Plan, args) -> list[str]:
+    """The command that runs rank 0 of plan ``p`` alone: what a learner would type."""
+    if p.world < 2:
+        raise UserError("--dry-run plays one rank of a multi-rank layout; with --world-size 1 there is none: "
+                        "run the step-2 script itself.")
+    if p.strategy in ("single", "pp") or p.pp > 1 or (p.tp > 1 and p.strategy not in ("tp", "2d")):
+        raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
+                        f"fsdp, hsdp, tp, 2d), not {label(p)}; pipelines need their neighbours before the first step.")
+    script, extra = {
+        "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
+        "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]), "fsdp_zero3": ("train_fsdp.py", []),
+        "hsdp": ("train_fsdp.py", ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard or p.world)]),
+        "tp": ("train_tp.py", []), "2d": ("train_2d.py", ["--tp", str(p.tp)]),
+    }[p.strategy]
+    if p.sequence_parallel:
+        extra.append("--sequence-parallel")
+    model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
+    model += ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
+    return [f"step3_multi_gpu/{script}", *model, *extra, "--global-batch-size", str(p.batch),
+            "--seq-len", str(p.seq_len), "--amp", "off" if p.dtype == "fp32" else "bf16", "--ac", p.ac,
+            "--device", p.device, "--data", "synthetic", "--steps", "2", "--trace-steps", "1",
+            "--eval-batches", "0", "--fake-world-size", str(p.world)]
+
+
+def dry_run(p: Plan, args) -> dict:
+    """Rank 0 of plan ``p`` run by its script alone; its bytes by category (model state when the
+    optimizer step begins, activations and temporaries at the peak, as the trace reports them)."""
+    import json
+    import subprocess
+    import tempfile
+
+    import torch
+    cmd = [sys.executable, *dry_run_command(p, args)]
+    if p.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--dry-run --device cuda needs a GPU on this machine; pass --device cpu to run the rank "
+                        "on the CPU (its kernels save a little more for attention).")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with tempfile.TemporaryDirectory() as out:
+        cmd += ["--out", out]
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise UserError(f"the dry run ({' '.join(cmd[1:-2])}) stopped: {why}")
+        s = json.loads((Path(out) / "summary.json").read_text())
+    (mem,), (pred,) = s["memory"], s["predicted"]["per_rank"]
+    return {**{c: pred[f"measured {c}"] for c in CATEGORIES[:4]}, "other": mem["peak_by_category"]["other"],
+            "peak": mem["peak_bytes"], "rank": mem["rank"], "script": cmd[1], "device_name": s["device_name"],
+            "allocator_peak": mem.get("allocator_peak_bytes"), "allocator_reserved": mem.get("allocator_reserved_bytes"),
+            "comm": {k: v["bytes"] for k, v in s["comm"][0].items()}}
+
+
 # ---- output -------------------------------------------------------------------------------------
 UNIT = [GiB, "GiB"]
 
@@ -365,34 +435,41 @@ def _unit(peak: float):
     UNIT[:] = [GiB, "GiB"] if peak >= GiB / 4 else [2**20, "MiB"]
 
 
-def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None):
+def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry: dict | None = None):
     est = worst_rank(p)
     _unit(est["peak"])
     print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
           f"AC {p.ac}, {p.device} kernels; rank {est['rank']}, {UNIT[1]}")
-    rows = [(c, est[c], traced and traced[c]) for c in CATEGORIES]
-    rows += [(k, v, None) for k, v in est["transient"].items()]
+    measured = [(name, m) for name, m in (("trace", traced), ("dry run", dry)) if m]
+    rows = [(c, est[c], [m[c] for _, m in measured]) for c in CATEGORIES]
+    rows += [(k, v, [None] * len(measured)) for k, v in est["transient"].items()]
     if est["optimizer temporaries"]:
-        rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], None))
-    if traced:
-        rows.append(("other (traced: temporaries)", None, traced["other"]))
-    rows.append((f"peak ({est['peak_at']})", est["peak"], traced and traced["peak"]))
+        rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], [None] * len(measured)))
+    if measured:
+        rows.append(("other (measured: temporaries)", None, [m["other"] for _, m in measured]))
+    rows.append((f"peak ({est['peak_at']})", est["peak"], [m["peak"] for _, m in measured]))
     w = max(len(r[0]) for r in rows)
-    print(f"  {'':<{w}}  {'formula':>10}" + (f"  {'trace':>10}  {'trace/formula':>13}" if traced else ""))
-    for name, f, t in rows:
+    print(f"  {'':<{w}}  {'formula':>10}" + "".join(f"  {name:>10}  {name + '/formula':>17}" for name, _ in measured))
+    for name, f, ms in rows:
         line = f"  {name:<{w}}  {gib(f) if f is not None else '':>10}"
-        if traced:
-            line += f"  {gib(t) if t is not None else '':>10}"
-            line += f"  {t / f:>13.3f}" if (t is not None and f) else ""
-        print(line)
+        for m in ms:
+            line += f"  {gib(m) if m is not None else '':>10}"
+            line += f"  {m / f:>17.3f}" if (m is not None and f) else f"  {'':>17}"
+        print(line.rstrip())
     fits = est["peak"] <= usable_bytes(gpu_mem, headroom)
     print(f"  {'fits' if fits else 'does NOT fit'} in {memory_text(gpu_mem, headroom)} per GPU "
           f"(formula peak {fmt_bytes(est['peak'])}"
-          + (f", traced peak {fmt_bytes(traced['peak'])}" if traced else "") + ")")
+          + "".join(f", {name} peak {fmt_bytes(m['peak'])}" for name, m in measured) + ")")
+    if dry and dry.get("allocator_peak") is not None:
+        print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated, "
+              f"{fmt_bytes(dry['allocator_reserved'])} reserved")
     sent = sum(v for k, v in est["comm"].items() if k != "recv")
     if est["comm"]:
         print("  sent per step per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est["comm"].items())
               + f" (total {fmt_bytes(sent)})")
+    if dry:
+        print("  the dry run's collectives per step: "
+              + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(dry["comm"].items())) or "none"))
 
 
 def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
@@ -456,8 +533,16 @@ def main(argv=None):
             t0 = time.perf_counter()
             traced = trace(ps[0])
             print(f"(traced rank {traced['rank']} under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
-        print_one(ps[0], args.gpu_mem, args.headroom, traced)
+        dry = None
+        if args.dry_run:
+            t0 = time.perf_counter()
+            dry = dry_run(ps[0], args)
+            print(f"(dry run of rank {dry['rank']}: {dry['script']} --fake-world-size {ps[0].world} on "
+                  f"{dry['device_name']} in {time.perf_counter() - t0:.1f} s)")
+        print_one(ps[0], args.gpu_mem, args.headroom, traced, dry)
         return
+    if args.dry_run:
+        raise UserError("--dry-run runs one layout; pick it with --strategy (not 'all').")
     traced = {}
     if args.trace:
         for p in ps:

@@ -214,6 +214,10 @@ class MemoryTracer:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._cuda_history = False
         self.result = self._timeline(end, allocator_peak)
+        # What the allocator holds from the device, freed blocks it caches included: the
+        # number torchtitan logs as "memory", and what decides an out-of-memory error.
+        self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
+                                                   if self.device.type == "cuda" else None)
         self._records.clear()
 
     def _scanned_tensors(self):

@@ -169,6 +169,7 @@ class Metrics:
             "memory": [{"rank": m["rank"], "peak_bytes": m["peak_bytes"], "at_peak": m["at_peak"],
                         "peak_by_category": m["peak_by_category"],
                         "allocator_peak_bytes": m["allocator_peak_bytes"],
+                        "allocator_reserved_bytes": m.get("allocator_reserved_bytes"),
                         "before_optimizer": m.get("before_optimizer")} for m in memory or []],
             **extra,
         }

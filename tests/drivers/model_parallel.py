@@ -36,7 +36,7 @@ RANK = int(os.environ["RANK"])
 def reference(flags: list[str], amp: str = "off") -> dict:
     """The single-process run (step 1's loop; step 2's autocast with ``amp`` bf16) with the same shared flags."""
     args = cli.parse(cli.parser(None), [f for f in flags if f != "--save-weights"] + ["--no-trace-memory"])
-    corpus = load_corpus(args.data, seed=args.seed)
+    corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
     batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
     model = build_model(args.model_config, "cpu", seed=args.seed)
     optimizer = adamw(model.parameters(), args)
