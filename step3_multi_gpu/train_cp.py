@@ -1,0 +1,90 @@
+"""Step 3b: context parallelism. Every rank holds the whole model and a slice of every
+sequence; attention, the one place where tokens meet, passes keys and values around a ring.
+
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --no-load-balance
+
+What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W
+times longer fits in the same memory. What it costs: per block, each rank's keys and values
+travel around the ring once forward and once backward with their gradients, (W-1) + (W-1)
++ W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
+hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
+replicated weights are summed over the ranks like DDP's. Step 2's savers come along: bf16
+autocast (the default; --amp off for fp32), --ac, --fused-adamw, --grad-accum.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed
+from common.errors import UserError, main_guard
+from common.measure.comm import purpose
+from common.model import build_model
+from common.parallelize.ac import apply_ac
+from common.parallelize.cp import all_reduce_grads, apply_cp, check_cp, cp_evaluate, local_tokens
+from common.run import Run
+from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--load-balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each rank an early and a late chunk of the sequence, so that the causal mask "
+                        "leaves every rank the same work (default: on)")
+    cli.add_saver_flags(p)
+    args = cli.parse(p)
+    if args.compile:
+        raise UserError("--compile is not offered with context parallelism: the hand-written ring's send and "
+                        "receive are not in a form torch.compile traces; drop --compile.")
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device, fp16=False)  # every CP rank reads the whole batch
+        check_cp(args.model_config, ctx.world_size, args.seq_len, args.load_balance)
+        cp_mesh = ctx.mesh((ctx.world_size,), ("cp",))
+        corpus = load_corpus(args.data, seed=args.seed)
+        # Every rank reads the same batch (like TP) and keeps its slice of each sequence.
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum, seed=args.seed)
+
+        model = build_model(args.model_config, ctx.device, seed=args.seed)  # the whole model on every rank
+        apply_cp(model, cp_mesh, load_balance=args.load_balance)
+        apply_ac(model, args.ac, every=args.ac_every)  # a recomputed block runs its ring again
+        ring = model.cp_ring
+        optimizer = adamw(model.parameters(), args)
+        scheduler = lr_schedule(optimizer, args)
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp", parallel={"cp": ctx.world_size},
+                  title="Context parallel" + (" (load-balanced)" if args.load_balance else ""))
+        batches = iter(data)
+
+        for step in run.steps():
+            with run.step(step):
+                step_loss = torch.zeros((), device=ctx.device)
+                for micro in range(args.grad_accum):
+                    x, y = next(batches)
+                    # this rank's tokens: the inputs and their targets at the same positions
+                    x, y = local_tokens(x, ring).to(ctx.device), local_tokens(y, ring).to(ctx.device)
+                    with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
+                        logits = model(x)
+                    # the mean over my tokens; the ranks' equal slices average to the batch's mean
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
+                    loss.backward()
+                    with purpose("loss"):
+                        step_loss += global_loss(loss, ring.group, ring.size)
+                all_reduce_grads(model, ring)  # the same averaged gradients on every rank
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            run.log(step, step_loss, grad_norm=grad_norm)
+
+        val_loss = cp_evaluate(model, corpus.val, args, ctx.device, ring)
+        run.finish(val_loss=val_loss, load_balance=args.load_balance)
+
+
+if __name__ == "__main__":
+    main()
