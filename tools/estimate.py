@@ -142,6 +142,13 @@ def check_layouts(ps) -> None:
             check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
         if p.pp > 1:
             check_pp(p.cfg, p.pp, p.schedule, p.microbatches or p.pp, max(1, p.batch // p.dp))
+        if p.strategy == "cp":  # train_cp.py's check (load-balanced, its default), then its one dimension
+            from common.parallelize.cp import check_cp
+            check_cp(p.cfg, p.world, p.seq_len, load_balance=True)
+            if p.tp > 1 or p.pp > 1:
+                raise UserError("train_cp.py runs context parallelism alone, over every rank; drop --tp and --pp "
+                                "with --strategy cp.")
+            continue
         if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
             raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
                             + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
@@ -178,7 +185,7 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "2d": f" dp={p.dp} x tp={p.tp}", "cp": f" cp={p.world}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 
