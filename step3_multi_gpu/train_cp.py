@@ -42,8 +42,9 @@ def main():
     cli.add_saver_flags(p)
     args = cli.parse(p)
     if args.compile:
-        raise UserError("--compile is not offered with context parallelism: the hand-written ring's send and "
-                        "receive are not in a form torch.compile traces; drop --compile.")
+        raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
+                        "receives inside every block's attention, and compiling around that is not tested here; "
+                        "drop --compile.")
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every CP rank reads the whole batch
         check_cp(args.model_config, ctx.world_size, args.seq_len, args.load_balance)
