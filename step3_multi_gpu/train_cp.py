@@ -10,7 +10,7 @@ travel around the ring once forward and once backward with their gradients, (W-1
 + W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
 hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
 replicated weights are summed over the ranks like DDP's. Step 2's savers come along: bf16
-autocast (the default; --amp off for fp32), --ac, --fused-adamw, --grad-accum.
+autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
 """
 import argparse
 import os
@@ -47,7 +47,7 @@ def main():
                         "drop --compile.")
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every CP rank reads the whole batch
-        check_cp(args.model_config, ctx.world_size, args.seq_len, args.load_balance)
+        check_cp(args.model_config, ctx.world_size, args.seq_len, args.load_balance, args.ac)
         cp_mesh = ctx.mesh((ctx.world_size,), ("cp",))
         corpus = load_corpus(args.data, seed=args.seed)
         # Every rank reads the same batch (like TP) and keeps its slice of each sequence.

@@ -144,7 +144,7 @@ def check_layouts(ps) -> None:
             check_pp(p.cfg, p.pp, p.schedule, p.microbatches or p.pp, max(1, p.batch // p.dp))
         if p.strategy == "cp":  # train_cp.py's check (load-balanced, its default), then its one dimension
             from common.parallelize.cp import check_cp
-            check_cp(p.cfg, p.world, p.seq_len, load_balance=True)
+            check_cp(p.cfg, p.world, p.seq_len, load_balance=True, ac=p.ac)
             if p.tp > 1 or p.pp > 1:
                 raise UserError("train_cp.py runs context parallelism alone, over every rank; drop --tp and --pp "
                                 "with --strategy cp.")

@@ -285,6 +285,8 @@ CASES: dict[str, Case] = {
                          "degree 1", "--seq-len", "a multiple of 2 x the ranks (of the ranks with --no-load-balance)"),
     "cp compile": Case("`train_cp.py --compile`", [S3 + "train_cp.py", *T, "--compile"],
                        "--compile is not offered with context parallelism", "--compile", "train without it"),
+    "cp selective ac": Case("`train_cp.py --ac selective`", [S3 + "train_cp.py", *T, "--ac", "selective"],
+                            "--ac selective is not offered with context parallelism", "--ac", "--ac full"),
     "estimate cp seq": Case("`tools/estimate.py --strategy cp --world-size 4 --seq-len 2044`",
                             ["tools/estimate.py", "--strategy", "cp", "--world-size", "4", "--seq-len", "2044"],
                             "--seq-len 2044 does not split into 8 equal chunks", "--seq-len",
