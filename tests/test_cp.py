@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 import time
 
 import pytest
@@ -25,7 +24,7 @@ from common import ROOT
 from common.model import get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
-from test_model_parallel import adam_drift_bound
+from test_model_parallel import adam_drift_bound, torchrun
 from tests.tolerances import check_bf16_parity
 
 TIMEOUT_S = 240  # a hang detector: both jobs take about 30 s on an idle 2-core machine
@@ -63,9 +62,8 @@ def runs(tmp_path_factory):
         out = tmp / f"world{n}"
         out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
-        procs[n] = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     f"--nproc-per-node={n}", "tests/drivers/cp.py", str(out), str(out / "cases.json")],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[n] = subprocess.Popen(torchrun(n, "tests/drivers/cp.py", out, out / "cases.json"), cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.perf_counter()
     logs = {}
     for n, proc in procs.items():
