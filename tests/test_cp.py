@@ -21,7 +21,7 @@ import time
 import pytest
 
 from common import ROOT
-from common.model import get_config
+from common.model import count_params, get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
@@ -46,6 +46,8 @@ CASES = {
         case("cp2_ac_accum", "--ac", "full", "--grad-accum", "2"),
         case("bf16_cp2", "--amp", "bf16")],
     4: [case("cp4", base=TRACED),
+        # 2 data-parallel groups of 2 CP ranks, FSDP over all four (torchtitan's layout)
+        case("cp2x2_fsdp", "--dp", "2", "--fsdp", base=TRACED),
         case("err_cp_seq", "--seq-len", "36",
              error="--seq-len 36 does not split into 8 equal chunks; use a multiple of 2 x the context-parallel "
                    "degree 4 (load balancing gives each rank two chunks).")],
@@ -112,38 +114,59 @@ def test_bf16_matches_the_one_device_bf16_run(runs):
     check_bf16_parity("bf16_cp2", r["losses"], r["ref_bf16_losses"], r["ref_losses"])
 
 
+def plan_of(n: int, name: str) -> Plan:
+    """The theory.py plan of a case, read from its flags."""
+    flags = next(c for c in CASES[n] if c["name"] == name)["flags"]
+    value = {a: b for a, b in zip(flags, flags[1:])}  # the last value of each flag wins, as in argparse
+    dp = int(value.get("--dp", 1))
+    return Plan(get_config("debug"), "cp_fsdp" if "--fsdp" in flags else "cp", world=n, cp=n // dp, batch=BATCH,
+                seq_len=SEQ, dtype="fp32" if value["--amp"] == "off" else "bf16", ac=value.get("--ac", "none"),
+                accum=int(value.get("--grad-accum", 1)))
+
+
 @pytest.mark.parametrize("n,name", OK, ids=[f"{n}ranks-{name}" for n, name in OK])
 def test_bytes_are_the_formula(runs, n, name):
-    """Per step, every rank: the ring's sends and receives, one all-reduce of 4N for the
-    gradients and one 4-byte loss per micro-batch (and nothing else but the grad norm's, which
-    is local here: the gradients are plain tensors)."""
+    """Per step, every rank: the ring's sends and receives, and the gradients' all-reduce of
+    4N (or FSDP's all-gathers and reduce-scatter, and the norm's all-reduce of the shards);
+    nothing else (the loss is averaged after the counted step)."""
     r = runs[n]["results"][name]
-    flags = r["summary"]
-    cfg = get_config("debug")
-    accum, bf16 = 2 if "accum" in name else 1, name.startswith("bf16")
-    ac = 0 if "ac" not in name.split("_") else cfg.n_layers
-    want = cp_bytes_per_step(cfg, BATCH, SEQ, n, 2 if bf16 else 4, ac, accum)
-    # by hand, for the plain case: 4 layers x [(n-1) K/V blocks forward, (n-1) back, n gradients back]
-    block = 2 * BATCH * (SEQ // n) * cfg.n_kv_heads * cfg.head_dim
-    if name in ("cp2", "cp4", "cp2_contiguous"):
-        assert want["send"] == cfg.n_layers * (2 * (n - 1) + n) * block * 4
-    for rank, comm in enumerate(flags["comm"]):
+    plan = plan_of(n, name)
+    cfg = plan.cfg
+    want = predict(plan)["comm"]
+    # by hand, the ring of the plain fp32 cases: L layers x [(cp-1) K/V blocks forward, (cp-1) back, cp gradients back]
+    cp, dp = plan.cp, n // plan.cp
+    block = 2 * (BATCH // dp) * (SEQ // cp) * cfg.n_kv_heads * cfg.head_dim
+    if plan.dtype == "fp32" and plan.ac == "none":
+        assert want["send"] == want["recv"] == cfg.n_layers * (2 * (cp - 1) + cp) * block * 4
+        assert want == {**cp_bytes_per_step(cfg, BATCH // dp, SEQ, cp),
+                        **({"all_reduce": 4 * count_params(cfg)} if plan.strategy == "cp" else
+                           {k: v for k, v in want.items() if k in ("all_gather", "reduce_scatter", "all_reduce (grad norm)")})}
+    recomputed = cfg.n_layers if plan.ac == "full" else 0
+    for rank, comm in enumerate(r["summary"]["comm"]):
         got = {k: v["bytes"] for k, v in comm.items()}
         assert got == want, (rank, got, want)
-        assert comm["send"]["calls"] == cfg.n_layers * (2 * (n - 1) + n + (n - 1) * (ac > 0)) * accum
-    assert flags["predicted"]["per_rank"][0]["comm"] == want
+        assert comm["send"]["calls"] == (cfg.n_layers * (2 * (cp - 1) + cp) + recomputed * (cp - 1)) * plan.accum
+    assert r["summary"]["predicted"]["per_rank"][0]["comm"] == want
 
 
-@pytest.mark.parametrize("n", sorted(CASES))
-def test_activations_are_the_formula_and_fall_with_the_degree(runs, n):
-    memory = runs[n]["results"][f"cp{n}"]["summary"]["memory"]
-    plan = Plan(get_config("debug"), "cp", world=n, batch=BATCH, seq_len=SEQ)
-    want = predict(plan)["activations"]
+TRACED_CASES = [(2, "cp2"), (4, "cp4"), (4, "cp2x2_fsdp")]
+
+
+@pytest.mark.parametrize("n,name", TRACED_CASES, ids=[f"{n}ranks-{name}" for n, name in TRACED_CASES])
+def test_memory_is_the_formula_and_activations_fall_with_the_degree(runs, n, name):
+    """Each rank's model state to the byte (whole, or FSDP's 1/world shards) and its
+    activations within 2%, at (batch / dp) x (seq / cp) tokens a rank."""
+    memory = runs[n]["results"][name]["summary"]["memory"]
+    plan = plan_of(n, name)
+    want = predict(plan)
     assert len(memory) == n
     for m in memory:
-        assert m["peak_by_category"]["activations"] == pytest.approx(want, rel=0.02), m["rank"]
+        state = m["before_optimizer"] or m["peak_by_category"]
+        for c in ("parameters", "gradients", "optimizer state"):
+            assert state[c] == want[c], (m["rank"], c)
+        assert m["peak_by_category"]["activations"] == pytest.approx(want["activations"], rel=0.02), m["rank"]
     one = predict(Plan(get_config("debug"), "cp", world=1, batch=BATCH, seq_len=SEQ))["activations"]
-    assert want < one / n * 1.2  # all but the few per-sequence bytes are 1/cp
+    assert want["activations"] < one / n * 1.2  # all but the few per-sequence bytes are 1/(dp x cp)
 
 
 def test_bad_sequence_length_is_one_sentence_on_every_rank(runs):

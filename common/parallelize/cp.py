@@ -207,14 +207,23 @@ def local_tokens(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     return x[:, ring.positions(x.shape[1] // ring.size, ring.rank).to(x.device)]
 
 
-def all_reduce_grads(model: torch.nn.Module, ring: Ring):
+def cp_degree(world: int, dp: int) -> int:
+    """The ranks that share each sequence when ``dp`` groups split the batch."""
+    if dp < 1 or world % dp:
+        raise UserError(f"--dp {dp} does not divide the {world} ranks into equal context-parallel groups; use a "
+                        f"divisor of {world}.")
+    return world // dp
+
+
+def all_reduce_grads(model: torch.nn.Module, group=None):
     """Every rank holds the whole model and computed gradients from its tokens (and, through
-    the ring, its keys' and values' share of everyone's loss): sum them, in one flat
-    all-reduce, and average (the loss is the mean over all the ranks' tokens)."""
+    the ring, its keys' and values' share of its group's loss): sum them over ``group``
+    (every rank: other data-parallel groups saw other sequences) in one flat all-reduce,
+    and average (the loss is the mean over all the ranks' tokens)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ring.group)
-    flat /= ring.size
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
