@@ -3,13 +3,16 @@ sequence; attention, the one place where tokens meet, passes keys and values aro
 
     torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024
     torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --no-load-balance
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --dp 2 --fsdp
 
 What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W
 times longer fits in the same memory. What it costs: per block, each rank's keys and values
 travel around the ring once forward and once backward with their gradients, (W-1) + (W-1)
 + W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
 hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
-replicated weights are summed over the ranks like DDP's. Step 2's savers come along: bf16
+replicated weights are summed over the ranks like DDP's, or, with --fsdp, the weights are
+sharded over every rank and FSDP's reduce-scatter sums them (--dp N: N data-parallel
+groups of world/N context-parallel ranks). Step 2's savers come along: bf16
 autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
 """
 import argparse
