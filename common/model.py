@@ -147,6 +147,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    # The attention kernel, (q, k, v, is_causal, enable_gqa) in SDPA's layout: context
+    # parallelism swaps in its ring from outside (common/parallelize/cp.py).
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -169,8 +173,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
             v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
             grouped = False
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=grouped)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

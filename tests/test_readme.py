@@ -42,6 +42,7 @@ RUN = [
     "python step2_memory/train_amp_ac.py --ac selective",
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --amp off --zero1",
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --ac full",
+    "torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --amp off --seq-len 1024",
 ]
 
 

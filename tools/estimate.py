@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1; 'tp' uses the world size)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1; 'pp' uses the world size)")
     p.add_argument("--hsdp-shard", type=int, default=None, help="HSDP's shard group size (default: world / 2)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context-parallel degree of --strategy cp / cp_fsdp (default: the world size)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
@@ -128,7 +130,7 @@ def check(args) -> None:
     if args.batch is not None and args.batch <= 0:
         raise UserError(f"--batch must be positive (got {args.batch}).")
     # Zero or negative is a mistake to name, not a "use the default" (``x or default`` would take it).
-    for flag in ("n_layers", "hsdp_shard", "microbatches"):
+    for flag in ("n_layers", "hsdp_shard", "microbatches", "cp"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
     for flag in ("gpu_mem", "headroom"):
@@ -158,6 +160,20 @@ def check_layouts(ps) -> None:
             check_tp(p.cfg, p.tp, p.seq_len, p.sequence_parallel)
         if p.pp > 1:
             check_pp(p.cfg, p.pp, p.schedule, p.microbatches or p.pp, max(1, p.batch // p.dp))
+        if p.strategy in ("cp", "cp_fsdp"):  # train_cp.py's checks (load-balanced, its default)
+            from common.parallelize.cp import check_cp
+            if p.tp > 1 or p.pp > 1:
+                raise UserError("train_cp.py splits the ranks into data-parallel groups of context-parallel ranks, "
+                                "nothing else; drop --tp and --pp with --strategy cp.")
+            cp = p.cp or p.world
+            if p.world % cp:
+                raise UserError(f"--cp {cp} does not divide --world-size {p.world} into data-parallel groups; use a "
+                                f"divisor of {p.world}.")
+            check_cp(p.cfg, cp, p.seq_len, load_balance=True, ac=p.ac)
+            if p.batch % (p.world // cp):
+                raise UserError(f"--batch {p.batch} does not split over {p.world // cp} data-parallel groups; use a "
+                                f"multiple of that.")
+            continue
         if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
             raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
                             + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
@@ -174,7 +190,7 @@ def plans(args) -> list[Plan]:
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
         shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
-        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, **common)]
+        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, cp=args.cp, **common)]
     out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
     if w > 1:
         out += [Plan(cfg, s, **common) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
@@ -194,7 +210,7 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "2d": f" dp={p.dp} x tp={p.tp}", "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 

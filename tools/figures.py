@@ -177,6 +177,18 @@ CHAPTER5 = [
 
 RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5
 
+# ---- chapter 3b, context parallelism (step3_multi_gpu/context_parallel.md) ----------------------
+# One long sequence on 1, 2 and 4 ranks of train_cp.py (fp32: the formulas read plainly), and step
+# 1's single process with the same flags for the losses. One job per world size.
+_CP = ["--model", "small", "--seq-len", "1024", "--global-batch-size", "2", "--steps", "3", "--eval-batches", "0",
+       "--trace-start", "1", "--trace-steps", "1"]
+CHAPTER3_CP = [
+    Run("03_cp/single", "step1_single_gpu/train.py", _CP, job="03_cp_one_process"),
+    *[Run(f"03_cp/cp{n}", "step3_multi_gpu/train_cp.py", _CP + ["--amp", "off"], nproc=n, job=f"03_cp_{n}_ranks",
+          figures={"03_cp_memory_trace.png": "memory_trace.png"} if n == 4 else {}) for n in (1, 2, 4)],
+]
+RUNS += CHAPTER3_CP
+
 
 def run_dir(name: str, suffix: str = "") -> Path:
     """runs/figs/<name><suffix>; for a run inside a folder (03_strategies/tp) the suffix
@@ -416,6 +428,8 @@ ESTIMATES = {
     "est-trace-debug": ([["--model", "debug", "--world-size", "2", "--strategy", "fsdp", "--seq-len", "64",
                           "--batch", "4", "--trace"]], True),
     "est-trace-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "fsdp", "--trace"]], True),
+    "est-cp": ([["--model", "1b", "--strategy", "single", "--seq-len", "2048", "--batch", "4"],
+                ["--model", "1b", "--world-size", "4", "--strategy", "cp", "--seq-len", "2048", "--batch", "4"]], True),
     "est-trace-pp": ([["--model", "small", "--n-layers", "8", "--world-size", "4", "--strategy", "pp", "--batch", "8",
                        "--seq-len", "64", "--dtype", "fp32", "--microbatches", "8", "--trace"]], True),
 }
@@ -468,6 +482,15 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
               ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
               ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
+
+
+def chapter3_cp(suffix: str = "") -> dict[str, str]:
+    """The context-parallel figure and table (step3_multi_gpu/cp_tables.py)."""
+    from step3_multi_gpu.cp_tables import cp_memory_figure
+    return cp_memory_figure(run_dir, suffix)
+
+
+POST_STEPS.append(("03_cp", chapter3_cp))
 
 
 def update_readme(tables: dict[str, str]):

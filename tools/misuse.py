@@ -287,6 +287,30 @@ CASES: dict[str, Case] = {
                                                                          "zb"],
                             "--schedules 'zb': give a comma-separated list of gpipe and 1f1b", "--schedules",
                             "gpipe, 1f1b or both"),
+    # ---- context parallelism (step3_multi_gpu/train_cp.py, tools/estimate.py --strategy cp)
+    "cp seq split": Case("`train_cp.py --seq-len 33`", [S3 + "train_cp.py", *T, "--seq-len", "33"],
+                         "--seq-len 33 does not split into 2 equal chunks; use a multiple of 2 x the context-parallel "
+                         "degree 1", "--seq-len", "a multiple of 2 x the ranks (of the ranks with --no-load-balance)"),
+    "cp compile": Case("`train_cp.py --compile`", [S3 + "train_cp.py", *T, "--compile"],
+                       "--compile is not offered with context parallelism", "--compile", "train without it"),
+    "cp selective ac": Case("`train_cp.py --ac selective`", [S3 + "train_cp.py", *T, "--ac", "selective"],
+                            "--ac selective is not offered with context parallelism", "--ac", "--ac full"),
+    "cp dp": Case("`train_cp.py --dp 2` on one rank", [S3 + "train_cp.py", *T, "--dp", "2"],
+                  "--dp 2 does not divide the 1 ranks into equal context-parallel groups", "--dp",
+                  "a divisor of the ranks"),
+    "estimate cp degree": Case("`tools/estimate.py --strategy cp --world-size 8 --cp 3`",
+                               ["tools/estimate.py", "--strategy", "cp", "--world-size", "8", "--cp", "3"],
+                               "--cp 3 does not divide --world-size 8 into data-parallel groups", "--cp",
+                               "a divisor of the world size"),
+    "estimate cp seq": Case("`tools/estimate.py --strategy cp --world-size 4 --seq-len 2044`",
+                            ["tools/estimate.py", "--strategy", "cp", "--world-size", "4", "--seq-len", "2044"],
+                            "--seq-len 2044 does not split into 8 equal chunks", "--seq-len",
+                            "a multiple of 2 x the CP degree"),
+    "estimate cp tp": Case("`tools/estimate.py --strategy cp --world-size 4 --tp 2`",
+                           ["tools/estimate.py", "--strategy", "cp", "--world-size", "4", "--tp", "2"],
+                           "train_cp.py splits the ranks into data-parallel groups of context-parallel ranks, "
+                           "nothing else; drop --tp and --pp",
+                           "--tp", "CP over every rank, nothing else"),
 }
 
 

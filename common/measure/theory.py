@@ -384,6 +384,7 @@ class Plan:
     loss_parallel: bool = True
     device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
     notes: list = field(default_factory=list)
+    cp: int | None = None             # context-parallel degree (strategies cp, cp_fsdp; default: the world size)
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
@@ -460,6 +461,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
 
 def predict(plan: Plan, rank: int = 0) -> dict:
     """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
+    if plan.strategy in ("cp", "cp_fsdp"):
+        return cp_predict(plan, rank)
     cfg, kind = plan.cfg, plan.dp_kind
     stage, dp_index, _ = plan.coords(rank)
     shapes = rank_shapes(plan, rank)
@@ -584,4 +587,71 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
         who = f"rank {r}" if len(ranks) > 1 else "one rank"
         if r in (ranks[0], ranks[-1]) or len(ranks) <= 4:
             print(f"    {who:<8} " + ", ".join(cells), flush=True)
+    return out
+
+
+# ---- context parallelism (common/parallelize/cp.py) --------------------------------------------
+STRATEGIES += ("cp", "cp_fsdp")
+
+
+def cp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, cp: int, bytes_per_el: int = 4,
+                      recomputed_blocks: int = 0, device: str = "cpu") -> dict[str, int]:
+    """What one rank of apply_cp's ring sends per step, logical bytes (``batch``: the
+    sequences its cp group shares).
+
+    A key/value block is this rank's keys and values: 2 x batch x seq/cp x kv width, in the
+    compute dtype. Per block, forward passes it on cp-1 times; backward passes the blocks
+    around again (cp-1 times) and, with each, the fp32 gradient of its keys and values,
+    which needs cp hops to come home. Every send has its receive. Checkpointed blocks run
+    their forward, ring included, again in backward. (Micro-batches change nothing: the
+    same tokens cross in smaller blocks.)
+    """
+    if cp == 1:
+        return {}
+    width = cfg.n_kv_heads * cfg.head_dim
+    if device == "cuda" and bytes_per_el == 4:
+        width = cfg.dim  # the model copies k and v to every query head first (CUDA's fp32 kernel)
+    kv = 2 * batch * (seq_len // cp) * width
+    forward = (cp - 1) * kv * bytes_per_el
+    sent = cfg.n_layers * (2 * forward + cp * kv * 4) + recomputed_blocks * forward
+    return {"send": sent, "recv": sent}
+
+
+def cp_predict(plan: Plan, rank: int = 0) -> dict:
+    """Context parallelism: cp ranks share each sequence, dp = world / cp groups split the
+    batch. The prediction of one device (``cp``) or of FSDP over every rank (``cp_fsdp``)
+    at (batch / dp) x (seq / cp) tokens a rank, and what differs: the rotary tables are
+    copied at this rank's positions (cos and sin: 2 x seq/cp x head_dim in the compute
+    dtype) instead of viewed whole; the ring's bytes; the gradients' all-reduce over every
+    rank (4 bytes a parameter, without FSDP, which reduce-scatters them instead); the transients of one ring step (the key/value block sent and the
+    one received, one block's fp32 scores and probabilities) and of the flat gradient
+    buffer of the all-reduce."""
+    cfg, cp = plan.cfg, plan.cp or plan.world
+    dp, local, fsdp = plan.world // cp, plan.seq_len // cp, plan.strategy == "cp_fsdp"
+    # the sub-plan whose ranks each see (batch / dp) x (seq / cp) tokens
+    out = predict(replace(plan, strategy="fsdp_zero3", batch=plan.batch // dp * plan.world, seq_len=local, cp=None)
+                  if fsdp else replace(plan, strategy="single", world=1, batch=plan.batch // dp, seq_len=local,
+                                       cp=None), rank if fsdp else 0)
+    b = DTYPE_BYTES[plan.dtype]
+    seqs = plan.batch // dp // plan.accum
+    # (in bf16 the whole tables' cast, which one device keeps, is a temporary here)
+    out["activations"] += b * 2 * local * cfg.head_dim - (b * 2 * cfg.max_seq_len * cfg.head_dim if b == 2 else 0)
+    width = cfg.dim if plan.device == "cuda" and b == 4 else cfg.n_kv_heads * cfg.head_dim
+    ring = {"ring: key/value blocks in flight": 2 * 2 * seqs * local * width * b,
+            "ring: one block's scores and probabilities (fp32)": 2 * 4 * seqs * cfg.n_heads * local * local}
+    moments = {out["peak_at"]: out["peak"],
+               "ring attention (forward)": out["parameters"] + out["optimizer state"] + out["activations"]
+               + sum(ring.values()) + sum(v for k, v in out["transient"].items() if "FSDP" in k)}
+    out["transient"] = {**out["transient"], **ring}
+    comm = out["comm"] if fsdp else {}
+    if plan.world > 1 and not fsdp:
+        flat = 4 * sum(math.prod(s) for s in param_shapes(cfg).values())
+        out["transient"]["flat gradient buffer (all-reduce)"] = flat
+        moments["gradient all-reduce"] = out["parameters"] + out["gradients"] + out["optimizer state"] + flat
+        comm = {"all_reduce": flat}
+    out["peak_at"] = max(moments, key=moments.get)
+    out["peak"] = moments[out["peak_at"]]
+    checkpointed = checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every)
+    comm |= cp_bytes_per_step(cfg, plan.batch // dp, plan.seq_len, cp, b, checkpointed, plan.device)
+    out["comm"] = comm
     return out

@@ -1,0 +1,113 @@
+"""Step 3b: context parallelism. Every rank holds the whole model and a slice of every
+sequence; attention, the one place where tokens meet, passes keys and values around a ring.
+
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --no-load-balance
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --dp 2 --fsdp
+
+What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W
+times longer fits in the same memory. What it costs: per block, each rank's keys and values
+travel around the ring once forward and once backward with their gradients, (W-1) + (W-1)
++ W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
+hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
+replicated weights are summed over the ranks like DDP's, or, with --fsdp, the weights are
+sharded over every rank and FSDP's reduce-scatter sums them (--dp N: N data-parallel
+groups of world/N context-parallel ranks). Step 2's savers come along: bf16
+autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed
+from common.errors import UserError, main_guard
+from common.model import Transformer
+from common.parallelize.ac import apply_ac
+from common.parallelize.cp import all_reduce_grads, apply_cp, check_cp, cp_degree, cp_evaluate, local_tokens
+from common.parallelize.fsdp import apply_fsdp
+from common.run import Run
+from common.training import adamw, clip_grad_norm, global_loss, lr_schedule, micro_batch_size
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--load-balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each rank an early and a late chunk of the sequence, so that the causal mask "
+                        "leaves every rank the same work (default: on)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel groups: the batch is split over dp groups, each sharing its sequences over "
+                        "world/dp ranks (default: 1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and AdamW state over every rank with FSDP (torchtitan's layout) "
+                        "instead of keeping them whole on each")
+    cli.add_saver_flags(p)
+    args = cli.parse(p)
+    if args.compile:
+        raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
+                        "receives inside every block's attention, and compiling around that is not tested here; "
+                        "drop --compile.")
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cp = cp_degree(ctx.world_size, args.dp)
+        cli.check_memory_savers(args, ctx.device, dp_size=args.dp, fp16=False)
+        check_cp(args.model_config, cp, args.seq_len, args.load_balance, args.ac)
+        micro_batch_size(args.global_batch_size, args.dp, args.grad_accum)  # splits evenly?
+        mesh = ctx.mesh((args.dp, cp), ("dp", "cp"))  # cp inner: a sequence's ranks are neighbours
+        corpus = load_corpus(args.data, seed=args.seed)
+        # The ranks of a cp group read the same sequences (like TP) and each keeps its slice.
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
+                       dp_rank=mesh["dp"].get_local_rank(), dp_size=args.dp, seed=args.seed)
+
+        with torch.device("meta"):
+            model = Transformer(args.model_config)
+        apply_cp(model, mesh["cp"], load_balance=args.load_balance)
+        apply_ac(model, args.ac, every=args.ac_every)  # a recomputed block runs its ring again
+        if args.fsdp:  # over every rank: each holds 1/world of the model state
+            apply_fsdp(model, ctx.mesh((ctx.world_size,), ("dp_cp",)), param_dtype=args.amp_dtype)
+        model.to_empty(device=ctx.device)
+        model.init_weights(args.seed)
+        ring = model.cp_ring
+        optimizer = adamw(model.parameters(), args)
+        scheduler = lr_schedule(optimizer, args)
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
+                  parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp),
+                  title=f"Context parallel {cp}" + (" (load-balanced)" if args.load_balance else "")
+                  + (f" x {args.dp} data-parallel groups" if args.dp > 1 else "") + (", FSDP" if args.fsdp else ""))
+        batches = iter(data)
+
+        for step in run.steps():
+            with run.step(step):
+                step_loss = torch.zeros((), device=ctx.device)
+                for micro in range(args.grad_accum):
+                    x, y = next(batches)
+                    # this rank's tokens: the inputs and their targets at the same positions
+                    x, y = local_tokens(x, ring).to(ctx.device), local_tokens(y, ring).to(ctx.device)
+                    if args.fsdp:  # reduce-scatter once per optimizer step
+                        model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+                    # (FSDP's policy computes in bf16 by itself: autocast only without it)
+                    with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off" and not args.fsdp):
+                        logits = model(x)
+                    # the mean over my tokens; the ranks' equal slices average to the batch's mean
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
+                    loss.backward()
+                    step_loss += loss.detach()
+                if not args.fsdp:  # (FSDP's reduce-scatter has averaged them over every rank)
+                    all_reduce_grads(model)  # the same averaged gradients on every rank
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)
+
+        val_loss = cp_evaluate(model, corpus.val, args, ctx.device, ring)
+        run.finish(val_loss=val_loss, load_balance=args.load_balance, fsdp=args.fsdp)
+
+
+if __name__ == "__main__":
+    main()
