@@ -304,10 +304,16 @@ def _check_moe(args: argparse.Namespace) -> None:
     if not cfg.n_experts:
         return
     if not hasattr(args, "aux_loss_weight"):
-        raise UserError(f"--model {args.model} is a mixture of experts, which {args.script}.py cannot train (no "
-                        f"router loss, no expert split); use step1_single_gpu/train.py or step3_multi_gpu/train_ep.py.")
+        raise UserError(moe_unsupported(args.model, f"{args.script}.py"))
     if args.aux_loss_weight is not None:
         if not (args.aux_loss_weight >= 0 and math.isfinite(args.aux_loss_weight)):
             raise UserError(f"--aux-loss-weight must be 0 or a positive number (got {args.aux_loss_weight}).")
         from dataclasses import replace
         args.model_config = replace(cfg, moe_aux_weight=args.aux_loss_weight)
+
+
+def moe_unsupported(model: str, script: str) -> str:
+    """The sentence for a mixture-of-experts preset given to a script that cannot train one
+    (also tools/estimate.py's, for the layouts of those scripts)."""
+    return (f"--model {model} is a mixture of experts, which {script} cannot train (no router loss, no expert "
+            f"split); use step1_single_gpu/train.py or step3_multi_gpu/train_ep.py.")

@@ -148,6 +148,23 @@ def check_layouts(ps) -> None:
                             + "; use a multiple of that.")
 
 
+# The script that trains each strategy: a mixture of experts is refused in that script's words.
+SCRIPT_OF = {"single": "train.py", "ddp": "train_ddp.py", "zero1": "train_ddp.py", "tp": "train_tp.py",
+             "pp": "train_pp.py", "2d": "train_2d.py", "ep": "train_ep.py"}
+
+
+def check_moe_layouts(ps, model: str) -> None:
+    """Expert parallelism's layouts (check_ep, train_ep.py's check) and mixture-of-experts
+    presets under the strategies that cannot train them (cli's sentence)."""
+    from common import cli
+    from common.parallelize.ep import check_ep
+    for p in ps:
+        if p.strategy == "ep":
+            check_ep(p.cfg, model, p.world)
+        elif p.cfg.n_experts and p.strategy != "single":
+            raise UserError(cli.moe_unsupported(model, SCRIPT_OF.get(p.strategy, "train_fsdp.py")))
+
+
 def plans(args) -> list[Plan]:
     """The configurations to estimate: one, or with --strategy all every one the world size allows."""
     cfg = get_config(args.model, n_layers=args.n_layers)
@@ -160,6 +177,9 @@ def plans(args) -> list[Plan]:
         shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
         return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, **common)]
     out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
+    if cfg.n_experts:  # a mixture of experts: one device, or the experts spread over the ranks
+        out += [Plan(cfg, "ep", **common)] if w > 1 and cfg.n_experts % w == 0 else []
+        return [p for p in out if p.batch % max(1, p.dp) == 0]
     if w > 1:
         out += [Plan(cfg, s, **common) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
         if w % 2 == 0 and w > 2:
@@ -178,7 +198,7 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "2d": f" dp={p.dp} x tp={p.tp}", "ep": f" ep={p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 
@@ -450,6 +470,7 @@ def main(argv=None):
         raise UserError(f"--batch {args.batch} does not split over the data-parallel ranks; use a multiple of "
                         f"{args.world_size}.")
     check_layouts(ps)
+    check_moe_layouts(ps, args.model)
     if len(ps) == 1 and args.strategy != "all":
         traced = None
         if args.trace:

@@ -502,7 +502,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
     if cfg.n_experts:
-        act += moe_activation_extra(plan, tokens, n_layers)
+        act += moe_activation_extra(plan, tokens, n_layers, shapes)
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
@@ -597,19 +597,24 @@ def is_expert(name: str) -> bool:
     return ".feed_forward.experts." in name
 
 
-def moe_activation_extra(plan: Plan, tokens: int, n_layers: int) -> int:
+def moe_activation_extra(plan: Plan, tokens: int, n_layers: int, shapes: dict) -> int:
     """What a MoE layer keeps beyond a dense MLP of the same width per token (an estimate).
 
     ``layer_activation_bytes`` counts the MLP at ffn_dim; a token goes through top_k
     experts, so k times that, and the layer keeps the router's fp32 probabilities (n_experts
     a token) and four copies of every (token, choice) row of ``dim`` values: gathered by
     expert, dispatched (or not), regrouped, weighed. Not held to the byte by the tests.
+    In bf16 the layer casts its (local) experts itself (autocast does not cover grouped_mm,
+    and FSDP's policy leaves the experts alone) and saves the copies for backward: 2 bytes
+    an expert weight.
     """
     cfg, b = plan.cfg, DTYPE_BYTES[plan.dtype]
     k = cfg.top_k
     mlp = 4 * cfg.ffn_dim * b  # the MLP's four products of one expert
     per_token = (k - 1) * mlp + 4 * 2 * cfg.n_experts + 4 * k * cfg.dim * b
-    return n_layers * tokens * per_token
+    w = plan.world if plan.strategy == "ep" else 1
+    copies = 2 * sum(shard_numel(s, w, 0) for k, s in shapes.items() if is_expert(k)) if plan.dtype != "fp32" else 0
+    return n_layers * tokens * per_token + copies
 
 
 def ep_comm(plan: Plan, shapes: dict, tokens: int) -> dict:
