@@ -170,3 +170,48 @@ def test_bad_input_is_one_sentence(runs, n, name):
     want = next(c["error"] for c in CASES[n] if c["name"] == name)
     assert r["exit_code"] == 2, r["stderr_tail"]
     assert want in r["stderr_tail"] and "Traceback" not in r["stderr_tail"]
+
+
+# ---- the mixture of experts itself, in this process ----------------------------------------------
+def test_moe_layer_equals_a_token_by_token_reference():
+    """The grouped, sorted, dropless layer computes, for each token, the weighted sum of its
+    top-k experts' SwiGLU outputs; the loop over experts gives the same as grouped_mm."""
+    import torch
+    import torch.nn.functional as F
+
+    from common import model as M
+    cfg = get_config("debug-moe")
+    moe = M.build_model(cfg, "cpu", seed=1).layers["0"].feed_forward
+    x = torch.randn(3, 5, cfg.dim, generator=torch.Generator().manual_seed(0))
+    got = moe(x)
+    flat = x.reshape(-1, cfg.dim)
+    probs = moe.router(flat).softmax(-1)
+    want = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        w, chosen = probs[t].topk(cfg.top_k)
+        for weight, e in zip(w / w.sum(), chosen.tolist()):
+            h = F.silu(flat[t] @ moe.experts.w1[e]) * (flat[t] @ moe.experts.w3[e])
+            want[t] += weight * (h @ moe.experts.w2[e])
+    torch.testing.assert_close(got.reshape(-1, cfg.dim), want, rtol=1e-5, atol=1e-6)
+    counts = moe.tokens_per_expert
+    assert counts.sum() == cfg.top_k * flat.shape[0]
+    f, p = counts.float() / counts.sum(), probs.mean(0)
+    torch.testing.assert_close(moe.aux_loss, cfg.n_experts * (f * p).sum())
+    saved = dict(M._GROUPED_MM)
+    try:  # the fallback: one matmul per expert
+        M._GROUPED_MM.update({k: False for k in M._GROUPED_MM})
+        torch.testing.assert_close(moe(x), got, rtol=0, atol=1e-6)
+    finally:
+        M._GROUPED_MM.clear()
+        M._GROUPED_MM.update(saved)
+
+
+def test_moe_counts_its_parameters_and_its_active_flops():
+    from common.model import count_params, flops_per_token
+    dense, moe = get_config("debug"), get_config("debug-moe")
+    mlp = 3 * moe.dim * moe.ffn_dim
+    assert count_params(moe) - count_params(dense) == moe.n_layers * (moe.n_experts * mlp + moe.dim * moe.n_experts
+                                                                      - 3 * dense.dim * dense.ffn_dim)
+    # FLOPs use the active parameters: top_k experts, not all of them
+    assert flops_per_token(moe, 64) - flops_per_token(dense, 64) == 6 * moe.n_layers * (
+        moe.top_k * mlp + moe.dim * moe.n_experts - 3 * dense.dim * dense.ffn_dim)
