@@ -46,9 +46,12 @@ def tokens_figure(runs: Path, out: Path) -> str:
         even = sum(layer0[0]) / cfg["n_experts"]
         ax.axhline(even, color="black", ls="--", lw=1, label="even load")
         weight = cfg["moe_aux_weight"]
-        worst[name] = max(imbalance(layer) for r in rows[len(rows) // 2:] for layer in r["tokens_per_expert"])
-        ax.set_title(f"aux-loss weight {weight:g}: busiest expert at {worst[name]:.2f}x the even load\n"
-                     f"(any layer, second half of the run)", fontsize=10)
+        late = rows[len(rows) // 2:]
+        worst[name] = [sum(imbalance(r["tokens_per_expert"][i]) for r in late) / len(late)
+                       for i in range(cfg["n_layers"])]
+        ax.set_title(f"aux-loss weight {weight:g}: busiest expert at "
+                     f"{', '.join(f'{v:.1f}' for v in worst[name])}x the even load\n"
+                     f"(layers 0-{cfg['n_layers'] - 1}, mean of steps {late[0]['step']}-{late[-1]['step']})", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("token slots of layer 0 (global batch)")
@@ -61,7 +64,14 @@ def tokens_figure(runs: Path, out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return f"{worst[WITH]:.2f}x with the loss, {worst[WITHOUT]:.2f}x without"
+    top = cfg["n_experts"] / cfg["top_k"]  # one expert chosen by every token: 1/top_k of the slots
+
+    def span(v):
+        return f"{min(v):.2f}x to {max(v):.2f}x"
+    return (f"averaged over the second half of the run, the busiest expert of a layer took {span(worst[WITH])} the "
+            f"even load with the load-balancing loss (weight {loaded[WITH][0]['model_config']['moe_aux_weight']:g}) "
+            f"and {span(worst[WITHOUT])} without it, where {top:g}x is the most possible: that expert is chosen by "
+            f"every token")
 
 
 def ep_table(runs: Path) -> str:
@@ -115,5 +125,5 @@ def write_ep_figures(suffix: str = "") -> dict[str, str]:
     caption = tokens_figure(runs, ROOT / "figs" / f"03_ep_tokens_per_expert{suffix}.png")
     table = ep_table(runs)
     (ROOT / "figs" / f"03_ep_table{suffix}.md").write_text(table + "\n")
-    print(f"wrote figs/03_ep_tokens_per_expert{suffix}.png ({caption}) and figs/03_ep_table{suffix}.md", flush=True)
-    return {"table-ep" + suffix: table, "ep-balance" + suffix: f"Busiest expert in the second half of the run: {caption}."}
+    print(f"wrote figs/03_ep_tokens_per_expert{suffix}.png and figs/03_ep_table{suffix}.md", flush=True)
+    return {"table-ep" + suffix: table, "ep-balance" + suffix: caption[0].upper() + caption[1:] + "."}

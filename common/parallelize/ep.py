@@ -63,6 +63,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Split every MoE layer's experts over ``mesh`` (1-D) and route tokens with all-to-all
     (call it on a meta-device model, before data parallelism wraps the dense part)."""
     group, w = mesh.get_group(), mesh.size()
+    if w == 1:
+        return model  # one rank holds every expert: nothing to send anywhere
     for moe in moe_layers(model):
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):
