@@ -213,7 +213,10 @@ def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
 
     It is one kernel for all experts' matmuls on the tokens grouped by expert. torch 2.13
     has it on CPU too; older builds have it only on CUDA, for bf16 on Hopper GPUs and
-    newer. Where it is missing the experts run one after another (the same numbers)."""
+    newer. Where it is missing the experts run one after another (the same numbers), and
+    so they do under torch.compile, whose grouped_mm takes bf16 only (torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return False
     key = (x.device.type, x.dtype, w.shape[-2:])
     if key not in _GROUPED_MM:
         ok = hasattr(F, "grouped_mm")

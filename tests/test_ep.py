@@ -30,7 +30,7 @@ from common.parallelize.ep import ep_bytes_per_step
 from tests.tolerances import check_bf16_parity
 
 TIMEOUT_S = 240  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
-STEPS, BATCH, SEQ = 5, 4, 32
+STEPS, BATCH, SEQ = 4, 4, 32
 EP = "step3_multi_gpu/train_ep.py"
 COMMON = ["--model", "debug-moe", "--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ),
           "--data", "synthetic", "--eval-batches", "0", "--save-weights", "--max-norm", "0.5", "--amp", "off",
