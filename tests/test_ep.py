@@ -215,3 +215,20 @@ def test_moe_counts_its_parameters_and_its_active_flops():
     # FLOPs use the active parameters: top_k experts, not all of them
     assert flops_per_token(moe, 64) - flops_per_token(dense, 64) == 6 * moe.n_layers * (
         moe.top_k * mlp + moe.dim * moe.n_experts - 3 * dense.dim * dense.ffn_dim)
+
+
+def test_one_rank_trains_what_step1_trains(tmp_path):
+    """Plain python: a process group of one holds every expert and sends nothing; the
+    losses are step 1's (the MoE preset, router loss included)."""
+    from tools.multirun import run_script
+    flags = [*COMMON, "--no-trace-memory", "--device", "cpu"]
+    flags = [f for f in flags if f not in ("--save-weights",)]
+    step1 = [f for i, f in enumerate(flags) if f != "--amp" and (i == 0 or flags[i - 1] != "--amp")]
+    losses = {}
+    for name, script, argv in (("ep", EP, flags), ("step1", "step1_single_gpu/train.py", step1)):
+        code, err = run_script(script, argv + ["--out", str(tmp_path / name)], capture_stderr=True)
+        assert code == 0, err[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["ep"]) == STEPS
+    for step, (a, b) in enumerate(zip(losses["ep"], losses["step1"], strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-6), f"step {step}: {a} vs step 1's {b}"
