@@ -26,7 +26,7 @@ from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
-from common.parallelize.ep import apply_ep, check_ep, expert_params, moe_layers
+from common.parallelize.ep import apply_ep, check_ep, expert_params, moe_layers, reduce_expert_grads
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
@@ -38,12 +38,18 @@ def main(argv=None):
     p.set_defaults(model="small-moe")
     cli.add_moe_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree: each group of this many ranks splits the experts among them, and "
+                        "the groups are copies of each other (default: all the ranks, one group)")
     args = cli.parse(p, argv)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
-        check_ep(args.model_config, args.model, ctx.world_size)  # n_experts / W experts per rank
+        ep = args.ep or ctx.world_size
+        check_ep(args.model_config, args.model, ep, ctx.world_size)  # n_experts / ep experts per rank
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
-        mesh = ctx.mesh((ctx.world_size,), ("ep",))  # the same ranks are data parallel and expert parallel
+        # The same ranks are data parallel (all of them) and expert parallel (groups of ep).
+        mesh = ctx.mesh((ctx.world_size,), ("ep",)) if ep == ctx.world_size else \
+            ctx.mesh((ctx.world_size // ep, ep), ("replicate", "ep"))
         corpus = load_corpus(args.data, seed=args.seed)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
@@ -52,17 +58,17 @@ def main(argv=None):
             model = Transformer(args.model_config)
         apply_ep(model, mesh)  # each rank keeps its experts; tokens reach them by all-to-all
         apply_ac(model, args.ac, every=args.ac_every)
-        # The dense part is data parallel (FSDP); the experts are not replicated anywhere,
-        # so FSDP leaves them alone. (Over more ranks than experts, torchtitan shards each
-        # expert again over the ranks that would hold copies of it.)
-        apply_fsdp(model, mesh, param_dtype=args.amp_dtype, ignored_params=expert_params(model))
+        # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
+        # alone. With --ep below the world size each expert has copies, which average their
+        # gradients after backward (reduce_expert_grads; torchtitan shards them with FSDP).
+        apply_fsdp(model, ctx.mesh(), param_dtype=args.amp_dtype, ignored_params=expert_params(model))
         apply_compile(model, args.compile)
         model.to_empty(device=ctx.device)
         model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its experts and its shards
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
-        run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="ep", parallel={"ep": ctx.world_size},
-                  title="Expert parallel (dense part FSDP)")
+        run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="ep", predict=dict(ep=ep),
+                  parallel={"dp": ctx.world_size, "ep": ep}, title=f"Expert parallel {ep} (dense part FSDP)")
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -78,6 +84,7 @@ def main(argv=None):
                     (loss + aux).backward()  # the all-to-alls again, reversed
                     step_loss += loss.detach()
                     aux_loss += aux.detach()
+                reduce_expert_grads(model, mesh)  # with --ep below the world: copies of an expert average
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

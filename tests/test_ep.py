@@ -53,7 +53,11 @@ CASES = {
         case("err_ep_dense", "--model", "debug",
              error="--model debug has no experts to spread over the ranks; use a mixture-of-experts preset")],
     4: [case("ep4"),
-        case("ep4_one_expert_each", "--n-experts", "4", "--no-trace-memory")],
+        case("ep4_one_expert_each", "--n-experts", "4", "--no-trace-memory"),
+        # EP 2 inside 4 ranks: two groups, each holding every expert, copies of each other
+        case("ep4_ep2", "--ep", "2"),
+        case("err_ep_degree", "--ep", "3",
+             error="--ep 3 does not divide the 4 ranks into groups that each hold every expert; use a divisor of 4.")],
 }
 OK = [(n, c["name"]) for n, cs in CASES.items() for c in cs if not c["expect_error"] and not c["name"].startswith("bf16")]
 ERR = [(n, c["name"]) for n, cs in CASES.items() for c in cs if c["expect_error"]]
@@ -122,10 +126,12 @@ def test_router_counts_and_loss(runs, n, name):
         assert 1.0 <= row["aux_loss"] / (cfg.moe_aux_weight * cfg.n_layers) < cfg.n_experts  # 1: even load
 
 
-@pytest.mark.parametrize("n,name", [(2, "ep2"), (4, "ep4"), (2, "ep2_accum"), (4, "ep4_one_expert_each")])
+@pytest.mark.parametrize("n,name", [(2, "ep2"), (4, "ep4"), (2, "ep2_accum"), (4, "ep4_one_expert_each"),
+                                    (4, "ep4_ep2")])
 def test_all_to_all_bytes_against_the_formula(runs, n, name):
     r = runs[n][name]
     experts = 4 if "one_expert" in name else 8
+    ep = 2 if name.endswith("_ep2") else n
     cfg = get_config("debug-moe", n_experts=experts)
     accum = 2 if "accum" in name else 1
     tokens = BATCH // n // accum * SEQ
@@ -136,23 +142,23 @@ def test_all_to_all_bytes_against_the_formula(runs, n, name):
     for rank, c in enumerate(comm):
         # R: the slots this rank's experts received, per layer and step (the last micro-batch's
         # counts are logged: with accumulation the formula's mean is checked instead)
-        mine = slice(rank * experts // n, (rank + 1) * experts // n)
+        mine = slice(rank * experts // ep, (rank + 1) * experts // ep)
         received = sum(sum(layer[mine]) for row in counted for layer in row["tokens_per_expert"]) / \
             (len(counted) * cfg.n_layers)
         got = c["all_to_all"]["bytes"]
         per_rank.append(got)
-        if accum == 1:
+        if accum == 1 and ep == n:  # (with copies, the logged counts are the whole batch's, not one group's)
             assert got == ep_bytes_per_step(cfg, tokens, received), f"rank {rank}"
         assert c["all_to_all"]["calls"] == 4 * cfg.n_layers * accum  # dispatch, combine; both again in backward
         assert c["all_to_all (expert counts)"]["bytes"] == 8 * experts * cfg.n_layers * accum
     assert sum(per_rank) / n == ep_bytes_per_step(cfg, tokens, accum=accum)  # routing-independent: 4 kT rows
 
 
-@pytest.mark.parametrize("n,name", [(2, "ep2"), (4, "ep4")])
+@pytest.mark.parametrize("n,name", [(2, "ep2"), (4, "ep4"), (4, "ep4_ep2")])
 def test_memory_and_dense_traffic_as_predicted(runs, n, name):
     r = runs[n][name]
     cfg = get_config("debug-moe")
-    plan = Plan(cfg, "ep", world=n, batch=BATCH, seq_len=SEQ)
+    plan = Plan(cfg, "ep", world=n, batch=BATCH, seq_len=SEQ, ep=2 if name.endswith("_ep2") else None)
     memory = r["summary"]["memory"]
     for m in memory:
         p = predict(plan, m["rank"])
@@ -160,8 +166,10 @@ def test_memory_and_dense_traffic_as_predicted(runs, n, name):
             assert m["before_optimizer"][c] == p[c], (m["rank"], c)
     comm = r["summary"]["comm"]
     p = predict(plan, 0)["comm"]
-    for kind in ("all_gather", "reduce_scatter"):
-        assert comm[0][kind]["bytes"] == p[kind], kind  # the dense part only: no expert is gathered
+    for kind in ("all_gather", "reduce_scatter", "all_reduce (expert grads)"):
+        # the dense part only: no expert is gathered; copies of experts (--ep 2 of 4) all-reduce theirs
+        assert comm[0].get(kind, {}).get("bytes") == p.get(kind), kind
+    assert ("all_reduce (expert grads)" in p) == name.endswith("_ep2")
 
 
 @pytest.mark.parametrize("n,name", ERR, ids=[f"{n}ranks-{name}" for n, name in ERR])

@@ -384,6 +384,7 @@ class Plan:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
+    ep: int | None = None             # expert-parallel degree (strategy "ep"; default: the world size)
     notes: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -501,6 +502,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                 transient["autocast weight copies (until the loss)"] = copies - kept
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
+    if plan.strategy == "ep":
+        out = ep_state(plan, shapes, rank)
     if cfg.n_experts:
         act += moe_activation_extra(plan, tokens, n_layers, shapes)
     out["activations"] = act
@@ -612,9 +615,18 @@ def moe_activation_extra(plan: Plan, tokens: int, n_layers: int, shapes: dict) -
     k = cfg.top_k
     mlp = 4 * cfg.ffn_dim * b  # the MLP's four products of one expert
     per_token = (k - 1) * mlp + 4 * 2 * cfg.n_experts + 4 * k * cfg.dim * b
-    w = plan.world if plan.strategy == "ep" else 1
+    w = (plan.ep or plan.world) if plan.strategy == "ep" else 1
     copies = 2 * sum(shard_numel(s, w, 0) for k, s in shapes.items() if is_expert(k)) if plan.dtype != "fp32" else 0
     return n_layers * tokens * per_token + copies
+
+
+def ep_state(plan: Plan, shapes: dict, rank: int) -> dict[str, int]:
+    """Model state under train_ep.py: the dense part sharded by FSDP over all the ranks,
+    each rank's n_experts / ep experts whole (ep's rank index: rank % ep)."""
+    ep = plan.ep or plan.world
+    dense = _state("fsdp", {k: v for k, v in shapes.items() if not is_expert(k)}, plan.world, rank)
+    experts = _state("fsdp", {k: v for k, v in shapes.items() if is_expert(k)}, ep, rank % ep)
+    return {c: dense[c] + experts[c] for c in dense}
 
 
 def ep_comm(plan: Plan, shapes: dict, tokens: int) -> dict:
@@ -626,6 +638,9 @@ def ep_comm(plan: Plan, shapes: dict, tokens: int) -> dict:
     dense = {k: v for k, v in shapes.items() if not is_expert(k)}
     b = DTYPE_BYTES[plan.dtype]
     out = _dp_comm("fsdp_zero3", dense, plan.world, None, b, plan.accum)
+    ep = plan.ep or plan.world
+    if ep < plan.world:  # copies of each expert, one per group of ep ranks, sum their gradients
+        out["all_reduce (expert grads)"] = 4 * sum(shard_numel(s, ep, 0) for k, s in shapes.items() if is_expert(k))
     if plan.world > 1:
         out["all_reduce (grad norm)"] = 4 * len(shapes)  # the experts' norms ride along
         out["all_to_all"] = ep_bytes_per_step(cfg, tokens, act_bytes=b, accum=plan.accum)

@@ -29,18 +29,22 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from common.errors import UserError
 from common.measure.comm import purpose
 from common.model import MoE
 
 
-def check_ep(cfg, model_name: str, ep: int) -> None:
+def check_ep(cfg, model_name: str, ep: int, world: int | None = None) -> None:
     """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py)."""
+    if world is not None and not (0 < ep <= world and world % ep == 0):
+        raise UserError(f"--ep {ep} does not divide the {world} ranks into groups that each hold every expert; "
+                        f"use a divisor of {world}.")
     if not cfg.n_experts:
         raise UserError(f"--model {model_name} has no experts to spread over the ranks; use a mixture-of-experts "
                         f"preset (debug-moe, small-moe, 1b-moe).")
@@ -60,18 +64,40 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split every MoE layer's experts over ``mesh`` (1-D) and route tokens with all-to-all
-    (call it on a meta-device model, before data parallelism wraps the dense part)."""
-    group, w = mesh.get_group(), mesh.size()
+    """Split every MoE layer's experts over ``mesh`` and route tokens with all-to-all (call
+    it on a meta-device model, before data parallelism wraps the dense part).
+
+    ``mesh``: 1-D, the experts split over all the ranks; or 2-D (replicate, ep), the
+    experts split over each group of ep ranks and the groups copies of each other, which
+    average their experts' gradients (``reduce_expert_grads``) as DDP would."""
+    ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
+    group, ep, w = ep_mesh.get_group(), ep_mesh.size(), mesh.size()
     if w == 1:
         return model  # one rank holds every expert: nothing to send anywhere
+    placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]  # n_experts / ep each
     for moe in moe_layers(model):
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))  # n_experts / W each
-        experts.forward = partial(_dispatch_compute_combine, experts, experts.forward, group, w)
-        moe.global_counts = partial(_sum_counts, group=group)
+            setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, placements)))
+        experts.forward = partial(_dispatch_compute_combine, experts, experts.forward, group, ep, w)
+        moe.global_counts = partial(_sum_counts, group=dist.group.WORLD)  # the whole global batch
     return model
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, mesh: DeviceMesh) -> None:
+    """After the last backward of a step: copies of the same experts (a 2-D mesh, ep below
+    the world size) sum their gradients, DDP's all-reduce for the experts. (Each copy's
+    gradient is already divided by the world size.) Nothing to do on a 1-D mesh. In the
+    model's order, the same on every rank: a set's order differs between processes, and
+    two ranks would sum w1 with w3."""
+    if mesh.ndim != 2 or mesh["replicate"].size() == 1:
+        return
+    with purpose("expert grads"):
+        for moe in moe_layers(model):
+            for p in moe.experts.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad.to_local(), group=mesh["replicate"].get_group())
 
 
 def _sum_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -80,7 +106,7 @@ def _sum_counts(counts: torch.Tensor, group) -> torch.Tensor:
         return funcol.all_reduce(counts, "sum", group).clone()
 
 
-def _mean_over_ranks(experts: nn.Module, w: int) -> None:
+def _mean_over_ranks(experts: nn.Module, w: int) -> None:  # w: all the ranks, whatever ep
     """Divide the experts' gradients by W as backward writes them: the sum over the W ranks'
     losses becomes their mean (module docstring). Hooked at the first forward, not in
     apply_ep: ``to_empty`` and loading a checkpoint put new parameters in place."""
@@ -90,11 +116,12 @@ def _mean_over_ranks(experts: nn.Module, w: int) -> None:
             p._ep_mean = True
 
 
-def _dispatch_compute_combine(experts, local_experts, group, w: int, x: torch.Tensor,
+def _dispatch_compute_combine(experts, local_experts, group, w: int, world: int, x: torch.Tensor,
                               counts: torch.Tensor) -> torch.Tensor:
     """x: this rank's token slots grouped by expert (counts[e] for expert e, all n_experts);
-    returns the experts' outputs for them, in the same order."""
-    _mean_over_ranks(experts, w)
+    returns the experts' outputs for them, in the same order. ``w``: the ranks of ``group``
+    (the expert-parallel degree)."""
+    _mean_over_ranks(experts, world)
     n_local = counts.numel() // w
     with purpose("expert counts"):  # received[r, e]: slots rank r sends to my local expert e
         received = funcol.all_to_all_single(counts, None, None, group).view(w, n_local).clone()
