@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1; 'tp' uses the world size)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1; 'pp' uses the world size)")
     p.add_argument("--hsdp-shard", type=int, default=None, help="HSDP's shard group size (default: world / 2)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree under --strategy ep (train_ep.py --ep; default: the world size)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
@@ -160,7 +162,7 @@ def check_moe_layouts(ps, model: str) -> None:
     from common.parallelize.ep import check_ep
     for p in ps:
         if p.strategy == "ep":
-            check_ep(p.cfg, model, p.world)
+            check_ep(p.cfg, model, p.ep or p.world, p.world)
         elif p.cfg.n_experts and p.strategy != "single":
             raise UserError(cli.moe_unsupported(model, SCRIPT_OF.get(p.strategy, "train_fsdp.py")))
 
@@ -175,7 +177,8 @@ def plans(args) -> list[Plan]:
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
         shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
-        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, **common)]
+        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, **common,
+                     **({"ep": args.ep} if strategy == "ep" else {}))]
     out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
     if cfg.n_experts:  # a mixture of experts: one device, or the experts spread over the ranks
         out += [Plan(cfg, "ep", **common)] if w > 1 and cfg.n_experts % w == 0 else []
@@ -198,7 +201,7 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "ep": f" ep={p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "2d": f" dp={p.dp} x tp={p.tp}", "ep": f" ep={p.ep or p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 

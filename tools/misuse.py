@@ -293,6 +293,12 @@ CASES: dict[str, Case] = {
                               "--seq-len", "64"],
                              "the model's 8 experts do not split evenly over 3 expert-parallel ranks", "experts",
                              "a number of ranks that divides n_experts"),
+    "ep degree": Case("`tools/estimate.py --strategy ep --world-size 4 --ep 3 --model debug-moe` (train_ep.py "
+                      "`--ep 3` on 4 ranks says the same)",
+                      ["tools/estimate.py", "--strategy", "ep", "--world-size", "4", "--ep", "3", "--model", "debug-moe",
+                       "--seq-len", "64"],
+                      "--ep 3 does not divide the 4 ranks into groups that each hold every expert", "--ep",
+                      "a divisor of the number of ranks"),
     "n-experts below top_k": Case("`train.py --model debug-moe --n-experts 1`",
                                   [S1, *T, "--model", "debug-moe", "--n-experts", "1"],
                                   "--n-experts 1 is fewer than the 2 experts each token goes to", "--n-experts",
