@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 RUNS = "03_ep"  # runs/figs/03_ep/<name>
-WITH, WITHOUT, SINGLE = "ep4", "ep4_no_aux", "single"
+WITH, WITHOUT, SINGLE, GROUPS = "ep4", "ep4_no_aux", "single", "ep4_ep2"
 
 
 def _load(folder: Path) -> tuple[dict, list[dict]]:
@@ -86,9 +86,11 @@ def ep_table(runs: Path) -> str:
     w = ep["world_size"]
     lines = ["| run | parameters + gradients + AdamW per rank: formula | measured | peak per rank | "
              "sent per step per rank (logical), measured | formula |", "|---|---|---|---|---|---|"]
-    for label, s, strategy in (("one device (step 1)", single, "single"), (f"EP {w} (`train_ep.py`)", ep, "ep")):
+    groups, _ = _load(runs / GROUPS)
+    for label, s, strategy in (("one device (step 1)", single, "single"), (f"EP {w} (`train_ep.py`)", ep, "ep"),
+                               ("EP 2, two copies of each expert (`--ep 2`)", groups, "ep")):
         plan = Plan(cfg, strategy, world=s["world_size"], batch=s["global_batch_size"], seq_len=s["seq_len"],
-                    dtype=s["dtype"])
+                    dtype=s["dtype"], **({"ep": s["parallel"]["ep"]} if strategy == "ep" else {}))
         p = predict(plan, 0)
         state = sum(p[c] for c in ("parameters", "gradients", "optimizer state"))
         m = next(m for m in s["memory"] if m["rank"] == 0)
@@ -114,7 +116,8 @@ def ep_table(runs: Path) -> str:
                  f"{fmt_bytes(min(a2a))} to {fmt_bytes(max(a2a))} per rank here, as the router sent more to some "
                  f"experts than others; the mean over the ranks is exactly {fmt_bytes(ep_bytes_per_step(cfg, tokens))} "
                  f"(4 kT rows), whatever the routing. FSDP gathers and reduces the dense part only: "
-                 f"the experts never leave their rank. Bytes counted on steps 2 and 3.")
+                 f"the experts never leave their rank. With `--ep 2` each rank holds 4 experts instead of 2, and the "
+                 f"two copies of each expert all-reduce its gradient. Bytes counted on steps 2 and 3.")
     return "\n".join(lines)
 
 

@@ -187,6 +187,9 @@ CHAPTER3_EP = [
     Run("03_ep/ep4_no_aux", "step3_multi_gpu/train_ep.py", _EP + ["--amp", "off", "--aux-loss-weight", "0"], nproc=4,
         job="4_ranks_ep"),
     Run("03_ep/single", "step1_single_gpu/train.py", _EP),
+    # two groups of 2 ranks, copies of each other: memory and bytes only, a few steps
+    Run("03_ep/ep4_ep2", "step3_multi_gpu/train_ep.py", _EP + ["--amp", "off", "--ep", "2", "--steps", "6"], nproc=4,
+        job="4_ranks_ep"),
 ]
 RUNS += CHAPTER3_EP
 
