@@ -88,6 +88,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args.model_config = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
         raise UserError(str(e)) from None
+    _check_moe(args)
     _check_it_can_fit(args)
     if args.seq_len > args.model_config.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports "
@@ -294,3 +295,42 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int | None = 
             raise UserError(f"--grad-accum {k} does not split the {local} sequences each of the {dp_size} "
                             f"data-parallel ranks gets into equal micro-batches; use a divisor of {local}.")
     return args
+
+
+# ---- mixture of experts: the scripts that can train one say so ----------------------------
+def add_moe_flags(p: argparse.ArgumentParser) -> None:
+    """For a script whose training step adds the router's load-balancing loss (the *-moe presets)."""
+    g = p.add_argument_group("mixture of experts (the *-moe presets)")
+    g.add_argument("--n-experts", type=int, default=None,
+                   help="override the preset's number of experts (each token still goes to top_k of them)")
+    g.add_argument("--aux-loss-weight", type=float, default=None,
+                   help="weight of the router's load-balancing loss in the training loss (default: the preset's, "
+                        "0.01; 0 leaves the router unbalanced)")
+
+
+def _check_moe(args: argparse.Namespace) -> None:
+    if getattr(args, "n_experts", None) is not None:
+        if args.n_experts < 0:
+            raise UserError(f"--n-experts cannot be negative (got {args.n_experts}); 0 is the dense model.")
+        try:
+            args.model_config = get_config(args.model, n_layers=args.n_layers, n_experts=args.n_experts)
+        except ValueError:
+            raise UserError(f"--n-experts {args.n_experts} is fewer than the {args.model_config.top_k} experts each "
+                            f"token goes to; use at least {args.model_config.top_k}.") from None
+    cfg = args.model_config
+    if not cfg.n_experts:
+        return
+    if not hasattr(args, "aux_loss_weight"):
+        raise UserError(moe_unsupported(args.model, f"{args.script}.py"))
+    if args.aux_loss_weight is not None:
+        if not (args.aux_loss_weight >= 0 and math.isfinite(args.aux_loss_weight)):
+            raise UserError(f"--aux-loss-weight must be 0 or a positive number (got {args.aux_loss_weight}).")
+        from dataclasses import replace
+        args.model_config = replace(cfg, moe_aux_weight=args.aux_loss_weight)
+
+
+def moe_unsupported(model: str, script: str) -> str:
+    """The sentence for a mixture-of-experts preset given to a script that cannot train one
+    (also tools/estimate.py's, for the layouts of those scripts)."""
+    return (f"--model {model} is a mixture of experts, which {script} cannot train (no router loss, no expert "
+            f"split); use step1_single_gpu/train.py or step3_multi_gpu/train_ep.py.")

@@ -47,6 +47,12 @@ class ModelConfig:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (0 experts: the dense SwiGLU MLP). Each token goes to top_k of
+    # n_experts SwiGLU experts of hidden size ffn_dim; moe_aux_weight scales the router's
+    # load-balancing loss in the training loss.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_aux_weight: float = 0.01
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +76,14 @@ PRESETS: dict[str, ModelConfig] = {
     "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0,
                       max_seq_len=8192),
 }
+# Mixtures of experts: 8 experts, each token through 2 of them. Each expert is half as wide
+# as the dense preset's MLP, so a token computes about what it does in the dense model
+# while the model holds 4x the MLP weights.
+PRESETS |= {
+    "debug-moe": replace(PRESETS["debug"], ffn_dim=96, n_experts=8, top_k=2),
+    "small-moe": replace(PRESETS["small"], ffn_dim=384, n_experts=8, top_k=2),
+    "1b-moe": replace(PRESETS["1b"], ffn_dim=4096, n_experts=8, top_k=2),
+}
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
@@ -79,6 +93,8 @@ def get_config(name: str, **overrides) -> ModelConfig:
     if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
         raise ValueError(f"model {name!r}: dim must split into an even head_dim per head and "
                          f"n_heads must be a multiple of n_kv_heads (got {cfg})")
+    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
+        raise ValueError(f"model {name!r}: top_k must be between 1 and n_experts ({cfg.n_experts}), got {cfg.top_k}")
     return cfg
 
 
@@ -86,7 +102,8 @@ def count_params(cfg: ModelConfig) -> int:
     """Parameter count from the shapes alone (tests hold the real model to it)."""
     d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     attention = d * d + 2 * d * kv + d * d          # wq, wk, wv, wo
-    mlp = 3 * d * cfg.ffn_dim                       # w1 (gate), w3 (up), w2 (down)
+    mlp = 3 * d * cfg.ffn_dim * max(1, cfg.n_experts)  # w1 (gate), w3 (up), w2 (down), per expert
+    mlp += d * cfg.n_experts                             # the router (MoE only)
     norms = 2 * d                                   # attention_norm, ffn_norm
     return cfg.vocab_size * d + cfg.n_layers * (attention + mlp + norms) + d + d * cfg.vocab_size
 
@@ -102,6 +119,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     skip the upper triangle, the convention MFU numbers are usually reported with.
     """
     n_matmul = count_params(cfg) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
+    # A mixture of experts: a token goes through top_k experts, not all (active parameters).
+    n_matmul -= cfg.n_layers * 3 * cfg.dim * cfg.ffn_dim * max(0, cfg.n_experts - cfg.top_k)
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
@@ -190,13 +209,106 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# ---- mixture of experts -----------------------------------------------------------------
+_GROUPED_MM: dict = {}
+
+
+def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` runs for these shapes, dtype and device (probed once each).
+
+    It is one kernel for all experts' matmuls on the tokens grouped by expert. torch 2.13
+    has it on CPU too; older builds have it only on CUDA, for bf16 on Hopper GPUs and
+    newer. Where it is missing the experts run one after another (the same numbers), and
+    so they do under torch.compile, whose grouped_mm takes bf16 only (torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return False
+    key = (x.device.type, x.dtype, w.shape[-2:])
+    if key not in _GROUPED_MM:
+        ok = hasattr(F, "grouped_mm")
+        if ok:
+            try:
+                probe = torch.zeros(2, w.shape[-2], device=x.device, dtype=x.dtype)
+                F.grouped_mm(probe, torch.zeros(2, *w.shape[-2:], device=x.device, dtype=x.dtype),
+                             offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x's rows grouped by expert (``counts[e]`` rows for expert e) times that expert's w[e]."""
+    if grouped_mm_works(x, w):
+        return F.grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    return torch.cat([xe @ we for xe, we in zip(x.split(counts.tolist()), w)])
+
+
+class GroupedExperts(nn.Module):
+    """n SwiGLU experts, each weight a stack (n, in, out), so one kernel serves all experts."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))  # gate
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))  # up
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))  # down
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Under expert parallelism the stacks are DTensors split by expert: each rank
+        # computes with its own experts. Cast to x's dtype: autocast does not cover grouped_mm.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype)
+        return expert_matmul(F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts), w2, counts)
+
+
+class MoE(nn.Module):
+    """Mixture of experts: a router sends each token to its top_k experts.
+
+    Dropless: every expert takes however many tokens it is sent, so no token is dropped
+    and the result is a function of the routing alone, the same on one device and split
+    over any number of ranks (what lets the tests check expert parallelism exactly). The
+    price is uneven work: a popular expert computes more, and under expert parallelism
+    its rank waits less than the others (a capacity factor would cap it and drop tokens).
+
+    ``aux_loss`` (after a forward) is the load-balancing loss of Switch Transformer,
+    n_experts * sum_e f_e * P_e, f_e the share of routed tokens expert e got and P_e its
+    mean router probability: 1 when the load is even, n_experts at worst. f counts the
+    tokens of the whole global batch: ``global_counts`` sums them over the data-parallel
+    ranks when set from outside (each rank's loss then averages to the global one).
+    ``tokens_per_expert`` keeps the last forward's global counts, for the figures.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.ffn_dim)
+        self.global_counts = None  # set by common/parallelize/ep.py: counts -> summed over the ranks
+        self.aux_loss = self.tokens_per_expert = None
+
+    def forward(self, x):
+        shape, n = x.shape, self.router.out_features
+        x = x.reshape(-1, shape[-1])
+        probs = self.router(x).float().softmax(dim=-1)           # (tokens, n_experts), fp32
+        weights, chosen = probs.topk(self.top_k, dim=-1)        # (tokens, top_k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)   # the chosen experts' shares sum to 1
+        counts = torch.bincount(chosen.flatten(), minlength=n)  # token slots per expert
+        total = self.global_counts(counts) if self.global_counts is not None else counts
+        self.tokens_per_expert = total.detach()
+        self.aux_loss = n * (total.float() / total.sum() * probs.mean(dim=0)).sum()
+        # Group the (token, choice) slots by expert, run the experts, weigh, add back per token.
+        order = chosen.flatten().argsort(stable=True)
+        token = order // self.top_k
+        y = self.experts(x[token], counts) * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y).view(shape)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -225,6 +337,12 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
+    def moe_aux_loss(self) -> torch.Tensor | float:
+        """The load-balancing loss of the last forward, weighted, summed over the MoE layers
+        (0 for a dense model): what a training step adds to the language-model loss."""
+        losses = [layer.feed_forward.aux_loss for layer in self.layers.values() if isinstance(layer.feed_forward, MoE)]
+        return self.cfg.moe_aux_weight * sum(losses) if losses else 0.0
+
     def rope_for(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables in the dtype q and k will have: autocast's if it is on, else h's."""
         device = h.device.type
@@ -250,7 +368,7 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.empty(p.shape).normal_(0.0, std, generator=g)
             if isinstance(p, DTensor):  # sharded (FSDP/TP): keep only this rank's piece

@@ -23,7 +23,9 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
 @main_guard
 def main():
-    args = cli.parse(cli.parser(__doc__))
+    p = cli.parser(__doc__)
+    cli.add_moe_flags(p)  # it also trains the mixture-of-experts presets (--model small-moe)
+    args = cli.parse(p)
     with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
@@ -39,7 +41,8 @@ def main():
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 logits = model(x)  # (batch, seq, vocab)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                loss.backward()
+                # A mixture of experts adds its routers' load-balancing loss (0 for a dense model).
+                (loss + model.moe_aux_loss()).backward()
                 # Scale all gradients down together if their global norm exceeds --max-norm:
                 # one bad batch then cannot throw the weights far. Returns the norm before.
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm)

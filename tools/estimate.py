@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hsdp-shard", type=int, default=None, help="HSDP's shard group size (default: world / 2)")
     p.add_argument("--cp", type=int, default=None,
                    help="context-parallel degree of --strategy cp / cp_fsdp (default: the world size)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree under --strategy ep (train_ep.py --ep; default: the world size)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
@@ -180,6 +182,23 @@ def check_layouts(ps) -> None:
                             + "; use a multiple of that.")
 
 
+# The script that trains each strategy: a mixture of experts is refused in that script's words.
+SCRIPT_OF = {"single": "train.py", "ddp": "train_ddp.py", "zero1": "train_ddp.py", "tp": "train_tp.py",
+             "pp": "train_pp.py", "2d": "train_2d.py", "ep": "train_ep.py"}
+
+
+def check_moe_layouts(ps, model: str) -> None:
+    """Expert parallelism's layouts (check_ep, train_ep.py's check) and mixture-of-experts
+    presets under the strategies that cannot train them (cli's sentence)."""
+    from common import cli
+    from common.parallelize.ep import check_ep
+    for p in ps:
+        if p.strategy == "ep":
+            check_ep(p.cfg, model, p.ep or p.world, p.world)
+        elif p.cfg.n_experts and p.strategy != "single":
+            raise UserError(cli.moe_unsupported(model, SCRIPT_OF.get(p.strategy, "train_fsdp.py")))
+
+
 def plans(args) -> list[Plan]:
     """The configurations to estimate: one, or with --strategy all every one the world size allows."""
     cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
@@ -190,8 +209,12 @@ def plans(args) -> list[Plan]:
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
         shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
-        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, cp=args.cp, **common)]
+        return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, cp=args.cp, **common,
+                     **({"ep": args.ep} if strategy == "ep" else {}))]
     out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
+    if cfg.n_experts:  # a mixture of experts: one device, or the experts spread over the ranks
+        out += [Plan(cfg, "ep", **common)] if w > 1 and cfg.n_experts % w == 0 else []
+        return [p for p in out if p.batch % max(1, p.dp) == 0]
     if w > 1:
         out += [Plan(cfg, s, **common) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
         if w % 2 == 0 and w > 2:
@@ -210,7 +233,8 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "2d": f" dp={p.dp} x tp={p.tp}", "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}",
+           "ep": f" ep={p.ep or p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 
@@ -543,6 +567,7 @@ def main(argv=None):
         raise UserError(f"--batch {args.batch} does not split over the data-parallel ranks; use a multiple of "
                         f"{args.world_size}.")
     check_layouts(ps)
+    check_moe_layouts(ps, args.model)
     if len(ps) == 1 and args.strategy != "all":
         traced = None
         if args.trace:

@@ -188,6 +188,21 @@ CHAPTER3_CP = [
           figures={"03_cp_memory_trace.png": "memory_trace.png"} if n == 4 else {}) for n in (1, 2, 4)],
 ]
 RUNS += CHAPTER3_CP
+# ---- expert parallelism (step3_multi_gpu/expert_parallel.md): a mixture of experts on 4 ranks,
+# with and without the load-balancing loss, and on one device; a job of its own (DTensor meshes)
+_EP = ["--model", "small-moe", "--steps", "40", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "1",
+       "--trace-start", "2", "--trace-steps", "1"]
+CHAPTER3_EP = [
+    Run("03_ep/ep4", "step3_multi_gpu/train_ep.py", _EP + ["--amp", "off"], nproc=4, job="4_ranks_ep",
+        figures={"03_ep_memory_trace.png": "memory_trace.png"}),
+    Run("03_ep/ep4_no_aux", "step3_multi_gpu/train_ep.py", _EP + ["--amp", "off", "--aux-loss-weight", "0"], nproc=4,
+        job="4_ranks_ep"),
+    Run("03_ep/single", "step1_single_gpu/train.py", _EP),
+    # two groups of 2 ranks, copies of each other: memory and bytes only, a few steps
+    Run("03_ep/ep4_ep2", "step3_multi_gpu/train_ep.py", _EP + ["--amp", "off", "--ep", "2", "--steps", "6"], nproc=4,
+        job="4_ranks_ep"),
+]
+RUNS += CHAPTER3_EP
 
 
 def run_dir(name: str, suffix: str = "") -> Path:
@@ -434,6 +449,8 @@ ESTIMATES = {
                        "--seq-len", "64", "--dtype", "fp32", "--microbatches", "8", "--trace"]], True),
 }
 
+ESTIMATES["est-1b-moe"] = ([["--model", "1b-moe", "--world-size", "8", "--strategy", "all"]], False)  # expert_parallel.md
+
 
 def estimates(suffix: str = "") -> dict[str, str]:
     """The output of each ESTIMATES command, for the README's estimator chapter (the
@@ -475,6 +492,7 @@ from step3_multi_gpu.tables import write_chapter3a_table, write_clip_table  # no
 
 from step4_multi_node.tables import write_faults_table  # noqa: E402
 from tools.misuse import table as misuse_table  # noqa: E402
+from step3_multi_gpu.ep_tables import write_ep_figures  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
@@ -482,6 +500,7 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
               ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
               ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
+POST_STEPS.append(("03_ep", write_ep_figures))
 
 
 def chapter3_cp(suffix: str = "") -> dict[str, str]:

@@ -311,6 +311,34 @@ CASES: dict[str, Case] = {
                            "train_cp.py splits the ranks into data-parallel groups of context-parallel ranks, "
                            "nothing else; drop --tp and --pp",
                            "--tp", "CP over every rank, nothing else"),
+    # ---- mixtures of experts and expert parallelism (step3_multi_gpu/expert_parallel.md)
+    "moe under tp": Case("`train_tp.py --model debug-moe` (any script but step 1 and train_ep.py)",
+                         [S3 + "train_tp.py", *T, "--model", "debug-moe"],
+                         "is a mixture of experts, which train_tp.py cannot train", "--model",
+                         "step1_single_gpu/train.py or train_ep.py"),
+    "ep dense model": Case("`train_ep.py --model debug`", [S3 + "train_ep.py", *T, "--model", "debug"],
+                           "--model debug has no experts to spread over the ranks", "--model",
+                           "a -moe preset"),
+    "ep experts split": Case("`tools/estimate.py --strategy ep --world-size 3 --model debug-moe` (train_ep.py on "
+                             "3 ranks says the same)",
+                             ["tools/estimate.py", "--strategy", "ep", "--world-size", "3", "--model", "debug-moe",
+                              "--seq-len", "64"],
+                             "the model's 8 experts do not split evenly over 3 expert-parallel ranks", "experts",
+                             "a number of ranks that divides n_experts"),
+    "ep degree": Case("`tools/estimate.py --strategy ep --world-size 4 --ep 3 --model debug-moe` (train_ep.py "
+                      "`--ep 3` on 4 ranks says the same)",
+                      ["tools/estimate.py", "--strategy", "ep", "--world-size", "4", "--ep", "3", "--model", "debug-moe",
+                       "--seq-len", "64"],
+                      "--ep 3 does not divide the 4 ranks into groups that each hold every expert", "--ep",
+                      "a divisor of the number of ranks"),
+    "n-experts below top_k": Case("`train.py --model debug-moe --n-experts 1`",
+                                  [S1, *T, "--model", "debug-moe", "--n-experts", "1"],
+                                  "--n-experts 1 is fewer than the 2 experts each token goes to", "--n-experts",
+                                  "at least top_k experts"),
+    "negative aux weight": Case("`train.py --model debug-moe --aux-loss-weight -1`",
+                                [S1, *T, "--model", "debug-moe", "--aux-loss-weight", "-1"],
+                                "--aux-loss-weight must be 0 or a positive number (got -1.0)", "--aux-loss-weight",
+                                "0 (no balancing) or a small weight such as 0.01"),
 }
 
 

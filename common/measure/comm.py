@@ -76,6 +76,7 @@ RING_FACTOR = {  # bytes a rank sends in a ring algorithm, per logical byte
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # all but the rank's own share, when the splits are even
 }
 
 

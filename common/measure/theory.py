@@ -94,6 +94,7 @@ from common.model import ModelConfig, Transformer
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
 DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
 STRATEGIES = DP_STRATEGIES + ("tp", "pp", "2d")
+STRATEGIES += ("ep",)  # expert parallelism, the dense part FSDP (step3_multi_gpu/train_ep.py)
 ALIASES = {"fsdp": "fsdp_zero3", "zero3": "fsdp_zero3", "zero2": "fsdp_zero2", "hsdp_zero3": "hsdp",
            "hsdp_zero2": "hsdp"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -383,6 +384,7 @@ class Plan:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
+    ep: int | None = None             # expert-parallel degree (strategy "ep"; default: the world size)
     notes: list = field(default_factory=list)
     cp: int | None = None             # context-parallel degree (strategies cp, cp_fsdp; default: the world size)
 
@@ -402,7 +404,7 @@ class Plan:
     @property
     def dp_kind(self) -> str:
         """How the data-parallel dimension treats the model state."""
-        if self.strategy == "2d":
+        if self.strategy in ("2d", "ep"):  # ep: experts split like FSDP's shards, but never gathered
             return "fsdp_zero3"
         if self.strategy in ("tp", "pp"):
             return "ddp" if self.dp > 1 else "single"
@@ -503,12 +505,16 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                 transient["autocast weight copies (until the loss)"] = copies - kept
         if n_layers:  # the RoPE tables, cast to bf16 once per forward (whole, max_seq_len rows)
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
+    if plan.strategy == "ep":
+        out = ep_state(plan, shapes, rank)
+    if cfg.n_experts:
+        act += moe_activation_extra(plan, tokens, n_layers, shapes)
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
     block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == str(
         min(int(x.split(".")[1]) for x in shapes if x.startswith("layers.")))} if n_layers else {}
-    block_n = sum(math.prod(s) for s in block.values())
+    block_n = sum(math.prod(s) for k, s in block.items() if not (plan.strategy == "ep" and is_expert(k)))
     if fsdp and plan.dp > 1:
         pbytes = DTYPE_BYTES[plan.dtype]
         if kind.endswith("zero2"):
@@ -542,6 +548,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.pp > 1:
         # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
         comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops)
+    if plan.strategy == "ep":
+        comm = ep_comm(plan, shapes, tokens)
     out["comm"] = comm
     return out
 
@@ -654,4 +662,55 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
     checkpointed = checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every)
     comm |= cp_bytes_per_step(cfg, plan.batch // dp, plan.seq_len, cp, b, checkpointed, plan.device)
     out["comm"] = comm
+# ---- mixture of experts and expert parallelism ---------------------------------------------
+def is_expert(name: str) -> bool:
+    return ".feed_forward.experts." in name
+
+
+def moe_activation_extra(plan: Plan, tokens: int, n_layers: int, shapes: dict) -> int:
+    """What a MoE layer keeps beyond a dense MLP of the same width per token (an estimate).
+
+    ``layer_activation_bytes`` counts the MLP at ffn_dim; a token goes through top_k
+    experts, so k times that, and the layer keeps the router's fp32 probabilities (n_experts
+    a token) and four copies of every (token, choice) row of ``dim`` values: gathered by
+    expert, dispatched (or not), regrouped, weighed. Not held to the byte by the tests.
+    In bf16 the layer casts its (local) experts itself (autocast does not cover grouped_mm,
+    and FSDP's policy leaves the experts alone) and saves the copies for backward: 2 bytes
+    an expert weight.
+    """
+    cfg, b = plan.cfg, DTYPE_BYTES[plan.dtype]
+    k = cfg.top_k
+    mlp = 4 * cfg.ffn_dim * b  # the MLP's four products of one expert
+    per_token = (k - 1) * mlp + 4 * 2 * cfg.n_experts + 4 * k * cfg.dim * b
+    w = (plan.ep or plan.world) if plan.strategy == "ep" else 1
+    copies = 2 * sum(shard_numel(s, w, 0) for k, s in shapes.items() if is_expert(k)) if plan.dtype != "fp32" else 0
+    return n_layers * tokens * per_token + copies
+
+
+def ep_state(plan: Plan, shapes: dict, rank: int) -> dict[str, int]:
+    """Model state under train_ep.py: the dense part sharded by FSDP over all the ranks,
+    each rank's n_experts / ep experts whole (ep's rank index: rank % ep)."""
+    ep = plan.ep or plan.world
+    dense = _state("fsdp", {k: v for k, v in shapes.items() if not is_expert(k)}, plan.world, rank)
+    experts = _state("fsdp", {k: v for k, v in shapes.items() if is_expert(k)}, ep, rank % ep)
+    return {c: dense[c] + experts[c] for c in dense}
+
+
+def ep_comm(plan: Plan, shapes: dict, tokens: int) -> dict:
+    """Bytes per rank per step under train_ep.py: FSDP on the dense part only, the token
+    all-to-alls (the mean over the ranks; a rank's own depends on its experts' popularity)
+    and the small exchanges of counts."""
+    from common.parallelize.ep import ep_bytes_per_step
+    cfg = plan.cfg
+    dense = {k: v for k, v in shapes.items() if not is_expert(k)}
+    b = DTYPE_BYTES[plan.dtype]
+    out = _dp_comm("fsdp_zero3", dense, plan.world, None, b, plan.accum)
+    ep = plan.ep or plan.world
+    if ep < plan.world:  # copies of each expert, one per group of ep ranks, sum their gradients
+        out["all_reduce (expert grads)"] = 4 * sum(shard_numel(s, ep, 0) for k, s in shapes.items() if is_expert(k))
+    if plan.world > 1:
+        out["all_reduce (grad norm)"] = 4 * len(shapes)  # the experts' norms ride along
+        out["all_to_all"] = ep_bytes_per_step(cfg, tokens, act_bytes=b, accum=plan.accum)
+        out["all_to_all (expert counts)"] = 8 * cfg.n_experts * cfg.n_layers * plan.accum
+        out["all_reduce (router counts)"] = 8 * cfg.n_experts * cfg.n_layers * plan.accum
     return out

@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - older torch
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
-               cpu_offload: bool = False) -> torch.nn.Module:
+               cpu_offload: bool = False, ignored_params: set | None = None) -> torch.nn.Module:
     """FSDP2 on every transformer block, then on the root (call it on a meta-device model).
 
     - mesh 1-D: full sharding over its ranks. mesh 2-D (replicate, shard): HSDP, each
@@ -31,6 +31,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
       the shards, and so the optimizer, stay fp32. reduce_dtype: gradients are
       reduce-scattered in fp32 so that summing many ranks' bf16 gradients loses nothing.
     - cpu_offload: keep shards, gradients and the optimizer step on the host.
+    - ignored_params: parameters FSDP leaves alone (expert parallelism's experts, which
+      each rank holds whole for its own experts).
     - an already tensor-parallel model (parameters are DTensors on a TP mesh) is sharded
       further (2-D): both meshes must be slices of one parent mesh.
     """
@@ -47,14 +49,15 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
     layers = model.layers.values() if getattr(model, "layers", None) is not None else []
     for block in layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
-                    offload_policy=offload)
+                    offload_policy=offload, **({"ignored_params": ignored_params} if ignored_params else {}))
     # The root takes what no block owns (embedding, final norm, output). Every parameter
     # must be in some unit with the policy, or fp32 weights meet bf16 activations. Its
     # output_dtype hands fp32 logits to the loss. reshard_after_forward is left to FSDP,
     # which keeps the root gathered after forward: backward needs it at once.
     root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                    output_dtype=torch.float32 if param_dtype is not None else None)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload,
+                **({"ignored_params": ignored_params} if ignored_params else {}))
     return model
 
 

@@ -35,7 +35,9 @@ RANK = int(os.environ["RANK"])
 
 def reference(flags: list[str], amp: str = "off") -> dict:
     """The single-process run (step 1's loop; step 2's autocast with ``amp`` bf16) with the same shared flags."""
-    args = cli.parse(cli.parser(None), [f for f in flags if f != "--save-weights"] + ["--no-trace-memory"])
+    p = cli.parser(None)
+    cli.add_moe_flags(p)  # the mixture-of-experts presets: step 1 adds the router's loss
+    args = cli.parse(p, [f for f in flags if f != "--save-weights"] + ["--no-trace-memory"])
     corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
     batches = iter(Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed))
     model = build_model(args.model_config, "cpu", seed=args.seed)
@@ -46,7 +48,7 @@ def reference(flags: list[str], amp: str = "off") -> dict:
         x, y = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        (loss + model.moe_aux_loss()).backward()
         norms.append(clip_grad_norm(model.parameters(), args.max_norm).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -56,7 +58,7 @@ def reference(flags: list[str], amp: str = "off") -> dict:
 
 
 SHARED = {"--model", "--n-layers", "--steps", "--global-batch-size", "--seq-len", "--lr", "--warmup-steps",
-          "--seed", "--data", "--max-norm"}
+          "--seed", "--data", "--max-norm", "--n-experts", "--aux-loss-weight"}
 
 
 def last_value(flags: list[str], name: str, default: str) -> str:
