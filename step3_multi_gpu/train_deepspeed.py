@@ -101,9 +101,13 @@ def main(argv=None):
             "gradient_clipping": args.max_norm,  # the global norm, as clip_grad_norm
             # Buckets of DDP's 25 MiB: DeepSpeed's defaults (5e8 elements, 1.9 GiB in fp32) are
             # sized for billions of parameters and would dwarf this model in the memory trace.
+            # Stage 3 as FSDP2 does it: every parameter sharded (by default those under 1e5
+            # elements stay whole: all of a small model's), and each module's gathered
+            # parameters freed after use (by default up to 1e9 elements stay gathered for reuse).
             "zero_optimization": {"stage": args.zero_stage, "overlap_comm": False,
                                   "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-                                  "stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_threshold": 0},
+                                  "stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_threshold": 0,
+                                  "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
             "zero_allow_untested_optimizer": True,  # a client optimizer: DeepSpeed prefers its own kernels
             "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
         }

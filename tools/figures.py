@@ -475,12 +475,12 @@ def float8_table(suffix: str = "") -> dict[str, str]:
     the peak against the bf16 prediction, and the (CPU-emulated) step time."""
     rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
             "activations (predicted for bf16) | other | peak | step time |", "|" + "---|" * 11]
-    ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().split()]
+    ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().splitlines()]
     for name, label, cmd in (("bf16", "AMP bf16", "python step2_memory/train_amp.py"),
                              ("float8", "float8 + bf16", "python step2_memory/train_float8.py")):
         folder = run_dir(f"02_float8/{name}", suffix)
         s = summary(f"02_float8/{name}", suffix)
-        loss = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().split()]
+        loss = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
         gap = max(abs(a - b) / a for a, b in zip(ref, loss))
         m, pred = s["memory"][0]["at_peak"], s["predicted"]["per_rank"][0]
         cells = [fmt_bytes(m[c], ".1f") for c in ("parameters", "gradients", "optimizer state")]
