@@ -3,9 +3,9 @@ ZeRO stages 1, 2 and 3, so that its numbers sit next to ours (train_ddp.py --zer
 train_fsdp.py). DeepSpeed is not in requirements.txt: pip install deepspeed==0.19.8.
     torchrun --nproc-per-node 2 step3_multi_gpu/train_deepspeed.py --zero-stage 2 --amp off
 DeepSpeed does the data-parallel work inside its engine: ``deepspeed.initialize`` takes
-the plain model and our AdamW and returns an engine whose ``backward`` averages (stage 1),
-reduce-scatters (stage 2, 3) the gradients and whose ``step`` clips, updates this rank's
-partition and all-gathers the parameters again. On a CPU it runs with DS_ACCELERATOR=cpu
+the plain model and our AdamW and returns an engine whose ``backward`` averages the
+gradients over the ranks (all-reduce; reduce-scatter at stage 3) and whose ``step`` clips,
+updates this rank's partition and all-gathers the parameters again. On a CPU it runs with DS_ACCELERATOR=cpu
 (set here) over gloo, in fp32 only: its bf16 path keeps a different master copy than
 FSDP's mixed-precision policy, so only fp32 compares loss for loss.
 """
@@ -117,19 +117,30 @@ def main(argv=None):
         run = Run(args, ctx, engine.module, inner, scheduler, data, strategy=None,
                   title=f"DeepSpeed ZeRO-{args.zero_stage}", parallel={"dp": ctx.world_size},
                   sources=[zero_sources(engine)])
+        # DeepSpeed's own count of its collectives (its comms logger), on the steps whose
+        # bytes our counter counts: a second witness to the bytes in summary.json.
+        logger = deepspeed.comm.comms_logger
+        deepspeed.comm.configure(enabled=False, prof_all=True)
+        logger.reset_data()
         batches = iter(data)
         for step in run.steps():
+            logger.enabled = run.counts_comm(step)
             with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 logits = engine(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                engine.backward(loss)  # stage 1: all-reduce; 2 and 3: reduce-scatter into partitions
+                engine.backward(loss)  # stage 1 (and 2, measured on gloo): all-reduce; 3: reduce-scatter
                 engine.step()  # clip, update this rank's partition, all-gather the parameters
             grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
             run.log(step, global_loss(loss, dp_size=ctx.world_size), grad_norm=grad_norm)
 
-        run.finish(val_loss=evaluate(engine, corpus.val, args, ctx.device), zero_stage=args.zero_stage)
+        logger.enabled = False
+        logged = {op: {"calls": sum(c[0] for c in sizes.values()) / max(1, run.comm_steps),
+                       "bytes": sum(size * c[0] for size, c in sizes.items()) / max(1, run.comm_steps)}
+                  for op, sizes in logger.comms_dict.items()}
+        run.finish(val_loss=evaluate(engine, corpus.val, args, ctx.device), zero_stage=args.zero_stage,
+                   deepspeed_comms_logger=logged)
 
 
 if __name__ == "__main__":

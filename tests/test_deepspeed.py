@@ -20,7 +20,8 @@ STEPS = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch-
 
 def test_deepspeed_stages_match_ours_and_shard_what_zero_says(tmp_path):
     """One torchrun job, 2 ranks: our ZeRO-1 and DeepSpeed's stages 1-3 (fp32) give the same
-    loss at every step (to 1e-5), our counter sees DeepSpeed's collectives, and each rank
+    loss at every step (to 1e-5), our counter sees DeepSpeed's collectives (the calls its own
+    comms logger sees, and the same bytes), and each rank
     holds the optimizer state ZeRO predicts: AdamW's 8N/W for ours, and for DeepSpeed 8N/W
     plus its fp32 master partition, 4N/W."""
     pytest.importorskip("deepspeed")
@@ -33,6 +34,13 @@ def test_deepspeed_stages_match_ours_and_shard_what_zero_says(tmp_path):
         loss = deepspeed_compare.losses(tmp_path / name)
         assert len(loss) == 3 and max(abs(a - b) for a, b in zip(loss, ref)) < 1e-5, (name, loss, ref)
         assert deepspeed_compare.sent_per_step(s) > 2 * n, name  # at least the gradients' reduction, counted
+        if name.startswith("ds"):  # DeepSpeed's own comms logger saw the calls our counter saw
+            ours = {k.split(" ")[0]: v for k, v in s["comm"][0].items()}
+            theirs = {k.replace("_into_tensor", "").replace("_tensor", ""): v
+                      for k, v in s["deepspeed_comms_logger"].items()}
+            assert {k: v["calls"] for k, v in ours.items()} == {k: v["calls"] for k, v in theirs.items()}, name
+            for op, v in theirs.items():  # it logs an all-gather by each rank's input, we by the whole
+                assert ours[op]["bytes"] == v["bytes"] * (w if op == "all_gather" else 1), (name, op)
         state = s["memory"][0]["peak_by_category"]["optimizer state"]
         want = (8 if name.startswith("ours") else 12) * n / w
         assert abs(state - want) / want < 0.01, (name, state, want)  # + AdamW's step counters
