@@ -80,7 +80,7 @@ def table(out: Path, names: list[str]) -> str:
     ref = losses(out / "ours_zero1")
     head = ("| run | final loss | largest loss gap to ours ZeRO-1 | parameters | gradients | optimizer state | "
             "activations | other | peak (rank 0) | sent per step (rank 0) | step time |")
-    rows = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for n in names:
         s = json.loads((out / n / "summary.json").read_text())
         gap = max(abs(a - b) for a, b in zip(losses(out / n), ref))
@@ -121,8 +121,8 @@ def main(argv=None):
     what = (f"{s['model']} model, {args.nproc} ranks, batch {s['global_batch_size']} x {s['seq_len']}, fp32, "
             f"{s['device_name']}")
     figure(args.out, names, f"ZeRO stages, ours and DeepSpeed's: what each rank holds at its peak ({what})")
-    header = (f"{what}; `python -m tools.deepspeed_compare {' '.join(argv if argv is not None else sys.argv[1:])}`"
-              .rstrip() .replace(" `", " `", 1))
+    command = " ".join(["python -m tools.deepspeed_compare", *(argv if argv is not None else sys.argv[1:])])
+    header = f"{what}; `{command}`"
     (args.out / "deepspeed.md").write_text(header + "\n\n" + md + "\n")
     (args.out / "deepspeed.json").write_text(json.dumps({n: losses(args.out / n) for n in names}))
     print(md)
