@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
-from common.errors import main_guard
+from common.errors import UserError, main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
+from common.parallelize.float8 import convert_float8, float8_unsupported, precompute_fsdp_scales
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
@@ -47,10 +48,19 @@ def main(argv=None):
                         "REPLICAS groups (REPLICAS x SHARDS = the number of ranks)")
     p.add_argument("--cpu-offload", action="store_true",
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
+    p.add_argument("--float8", action="store_true",
+                   help="float8 matmuls (torchao, step 2d) and float8 all-gather of the weights: NCCL on "
+                        "H100-class GPUs only")
     args = cli.parse(p, argv)
     with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
+        if args.float8:  # FSDP2 all-gathers float8 weights through NCCL only: gloo has no float8 type
+            why = float8_unsupported(ctx.device) or (ctx.backend != "nccl" and (
+                f"--float8 all-gathers float8 weights, which {ctx.backend} cannot send (NCCL only); drop --float8, "
+                f"or train float8 on one device with step2_memory/train_float8.py."))
+            if why:
+                raise UserError(why)
         # HSDP: a 2-D mesh; FSDP replicates across its first dimension, shards across the second.
         mesh = ctx.mesh(tuple(args.hsdp), ("replicate", "shard")) if args.hsdp else ctx.mesh()
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
@@ -65,6 +75,8 @@ def main(argv=None):
         # rank materialises its own shards, so the full model never exists anywhere.
         with torch.device("meta"):
             model = Transformer(args.model_config)
+        # --float8: before fully_shard, so each shard is gathered already cast (half of bf16's bytes)
+        float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)
         apply_ac(model, args.ac, every=args.ac_every)  # before FSDP: the checkpoint sits inside each unit
         # --amp bf16 is FSDP's mixed-precision policy, not autocast: it gathers the parameters
         # in bf16 (half the all-gather bytes; autocast would gather fp32 and then cast),
@@ -100,12 +112,13 @@ def main(argv=None):
                 # The global norm (each rank holds shards: the norm's squares are summed over the ranks).
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
+                precompute_fsdp_scales(model, args.float8)  # the next gathers' float8 scales, in one all-reduce
                 # Unlike DDP's buckets, the sharded gradients are ordinary tensors: freeing
                 # them keeps 4N/W bytes out of the next forward pass.
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device), **({"float8": float8} if float8 else {}))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from common import ROOT
 DOCS = ["README.md", "step1_single_gpu/README.md", "step2_memory/README.md", "step3_multi_gpu/README.md",
         "step3_multi_gpu/comm_lab.md", "step3_multi_gpu/model_parallel.md",
         "step3_multi_gpu/context_parallel.md", "step3_multi_gpu/will_it_fit.md",
+        "step3_multi_gpu/deepspeed.md",
         "step4_multi_node/README.md"]
 DOCS.insert(DOCS.index("step3_multi_gpu/will_it_fit.md"), "step3_multi_gpu/expert_parallel.md")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
+from common.errors import UserError
 from common.measure.memory import fmt_bytes
 
 from common import ROOT  # noqa: E402
@@ -175,7 +176,19 @@ CHAPTER5 = [
     Run("05_fsdp4", "step3_multi_gpu/train_fsdp.py", _5, **_DP4),
 ]
 
-RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5
+# ---- float8 (step 2d) and DeepSpeed beside our ZeRO (step3_multi_gpu/deepspeed.md) ----------
+# float8 beside a bf16 run of its own, so that --only 02_float8 redoes both; the DeepSpeed
+# comparison is one tool that launches its own torchrun job (our three runs alone, saying
+# so, where DeepSpeed is not installed).
+FLOAT8_DS = [
+    Run("02_float8/bf16", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"], job="02_float8"),
+    Run("02_float8/float8", "step2_memory/train_float8.py", _CH2, job="02_float8"),
+    Run("03_deepspeed", "tools/deepspeed_compare.py", ["--model", "small", "--steps", "8", "--seq-len", "128",
+                                                        "--global-batch-size", "8"], job="03_deepspeed",
+        figures={"03_deepspeed.png": "deepspeed.png", "03_deepspeed_table.md": "deepspeed.md"}),
+]
+
+RUNS = CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5 + FLOAT8_DS
 
 # ---- chapter 3b, context parallelism (step3_multi_gpu/context_parallel.md) ----------------------
 # One long sequence on 1, 2 and 4 ranks of train_cp.py (fp32: the formulas read plainly), and step
@@ -488,6 +501,36 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
     return {"gpu-check": "\n\n".join(p.read_text().strip() for p in reports)}
 
 
+def float8_table(suffix: str = "") -> dict[str, str]:
+    """Step 2d: float8 beside bf16, same model, batch and steps: the losses, the memory at
+    the peak against the bf16 prediction, and the (CPU-emulated) step time."""
+    rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
+            "activations (predicted for bf16) | other | peak | step time |", "|" + "---|" * 11]
+    ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().splitlines()]
+    for name, label, cmd in (("bf16", "AMP bf16", "python step2_memory/train_amp.py"),
+                             ("float8", "float8 + bf16", "python step2_memory/train_float8.py")):
+        folder = run_dir(f"02_float8/{name}", suffix)
+        s = summary(f"02_float8/{name}", suffix)
+        loss = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        gap = max(abs(a - b) / a for a, b in zip(ref, loss))
+        m, pred = s["memory"][0]["at_peak"], s["predicted"]["per_rank"][0]
+        cells = [fmt_bytes(m[c], ".1f") for c in ("parameters", "gradients", "optimizer state")]
+        act = f"{fmt_bytes(m['activations'], '.1f')} ({fmt_bytes(pred['activations'], '.1f')})"
+        rows.append(f"| {label} | `{cmd}` | {gap:.2%} | {s['final_loss']:.4f} | {' | '.join(cells)} | {act} | "
+                    f"{fmt_bytes(m['other'], '.1f')} | **{fmt_bytes(s['memory'][0]['peak_bytes'], '.1f')}** | "
+                    f"{s['step_time_s'] * 1e3:,.0f} ms |")
+    s = summary("02_float8/float8", suffix)
+    head = (f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']}, {s['steps']} steps, "
+            f"{s['device_name']}; float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "
+            f"{', '.join(s['float8']['skipped'])}.")
+    return {"table-02-float8" + suffix: head + "\n\n" + "\n".join(rows)}
+
+
+def deepspeed_table(suffix: str = "") -> dict[str, str]:
+    """The DeepSpeed comparison's table (tools/deepspeed_compare.py wrote it), for its page."""
+    return {"table-03-deepspeed" + suffix: (ROOT / "figs" / f"03_deepspeed_table{suffix}.md").read_text().strip()}
+
+
 from step3_multi_gpu.tables import write_chapter3a_table, write_clip_table  # noqa: E402
 
 from step4_multi_node.tables import write_faults_table  # noqa: E402
@@ -499,7 +542,8 @@ from step3_multi_gpu.ep_tables import write_ep_figures  # noqa: E402
 POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
               ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
               ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
-              ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
+              ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table),
+              ("02_float8", float8_table), ("03_deepspeed", deepspeed_table)]
 POST_STEPS.append(("03_ep", write_ep_figures))
 
 
@@ -670,6 +714,8 @@ def main(argv=None):
             tables.update(post(suffix) or {})
         except FileNotFoundError as e:  # --only skipped the runs this table needs
             print(f"skipped {post.__name__}: {e.filename} is missing", flush=True)
+        except UserError as e:  # the same, said by tools/compare.py (a run folder missing)
+            print(f"skipped {post.__name__}: {e}", flush=True)
     written = [f for f in sorted((ROOT / "figs").iterdir()) if f.stat().st_mtime >= start and f.name != "made_on.json"]
     made = record_provenance(written, args.device, sys.argv[1:] if argv is None else argv)
     tables["figs-made-on"] = provenance_table(made)

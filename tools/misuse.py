@@ -339,6 +339,20 @@ CASES: dict[str, Case] = {
                                 [S1, *T, "--model", "debug-moe", "--aux-loss-weight", "-1"],
                                 "--aux-loss-weight must be 0 or a positive number (got -1.0)", "--aux-loss-weight",
                                 "0 (no balancing) or a small weight such as 0.01"),
+    # ---- float8 (step 2d) and DeepSpeed beside our ZeRO
+    "float8 fp16": Case("`train_float8.py --amp fp16`", [S2 + "train_float8.py", *T, "--amp", "fp16"],
+                        "--amp fp16 is not offered with float8", "--amp", "--amp bf16, the default"),
+    "float8 fsdp gloo": Case("`train_fsdp.py --float8` on gloo (CPU)", [S3 + "train_fsdp.py", *T, "--float8"],
+                             "--float8 all-gathers float8 weights, which gloo cannot send (NCCL only)", "--float8",
+                             "NCCL GPUs, or step2_memory/train_float8.py on one device"),
+    "deepspeed checkpoint": Case("`train_deepspeed.py --ckpt-every 1`",
+                                 [S3 + "train_deepspeed.py", *T, "--ckpt-every", "1"],
+                                 "train_deepspeed.py does not checkpoint", "--ckpt-every",
+                                 "DeepSpeed's engine.save_checkpoint; drop the flag"),
+    "deepspeed compare one rank": Case("`tools/deepspeed_compare.py --nproc 1`",
+                                       ["tools/deepspeed_compare.py", "--nproc", "1"],
+                                       "--nproc must be at least 2: one rank has nothing to shard", "--nproc",
+                                       "2 ranks or more"),
 }
 
 

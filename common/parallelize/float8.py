@@ -1,0 +1,91 @@
+"""float8 training with torchao, applied from outside the model like every other saver.
+
+``convert_float8`` swaps chosen ``nn.Linear`` modules for torchao's ``Float8Linear``: each
+matmul of forward and backward casts its two operands to float8 (e4m3, one scale per
+tensor computed from its current absolute maximum: "dynamic" scaling) and multiplies them
+on the tensor cores' float8 path, twice bf16's rate on an H100. The weights, gradients and
+AdamW state stay fp32: float8 changes what the matmuls compute in, not what is stored.
+
+torchao is optional for the rest of the tutorial: only what imports this module needs it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.errors import UserError
+
+# Dimensions a float8 matmul accepts: torch._scaled_mm wants both of a weight's sides
+# divisible by 16 (the tensor cores' tile); torchao would refuse the layer at its first call.
+FLOAT8_MULTIPLE = 16
+
+
+def _torchao_float8():
+    """Import torchao.float8 quietly (it logs a warning per optional CUDA kernel it cannot
+    load, which a CPU build never can), or say in one sentence how to get it."""
+    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError:
+        raise UserError("--float8 needs torchao, which is not installed; pip install -r requirements.txt "
+                        "(or pip install torchao).") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return float8
+
+
+def float8_unsupported(device: torch.device) -> str | None:
+    """Why float8 cannot train on this device (None: it can). CPU runs it emulated:
+    correct but slow, a lesson in what float8 does and not a way to speed anything up."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"--float8 needs a GPU with float8 tensor cores (compute capability 8.9 or newer: L4, L40, "
+                f"H100, ...); this {name} has none: drop --float8.")
+    return None
+
+
+def float8_layers(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """(names of the Linear layers to convert, {name: why not} for the others)."""
+    convert, skip = [], {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        if name == "output":
+            # The last projection feeds the loss straight: its rounding error is not averaged
+            # by any later layer, and torchao's and torchtitan's recipes keep it in bf16 too.
+            skip[name] = "the output layer, kept in bf16"
+        elif m.in_features % FLOAT8_MULTIPLE or m.out_features % FLOAT8_MULTIPLE:
+            skip[name] = f"{m.in_features} x {m.out_features} is not a multiple of {FLOAT8_MULTIPLE}"
+        else:
+            convert.append(name)
+    return convert, skip
+
+
+def convert_float8(model: torch.nn.Module, *, fsdp_float8_all_gather: bool = False) -> dict:
+    """Swap the model's convertible Linear layers for Float8Linear, in place (call it before
+    fully_shard, so that FSDP sees the float8 weights). ``fsdp_float8_all_gather``: FSDP2
+    all-gathers the weights already cast to float8 (half of bf16's bytes); NCCL only.
+    Returns what was converted and what was skipped, for summary.json."""
+    float8 = _torchao_float8()
+    convert, skip = float8_layers(model)
+    chosen = set(convert)
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    return {"converted": convert, "skipped": skip, "fsdp_float8_all_gather": fsdp_float8_all_gather}
+
+
+def is_float8(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+def precompute_fsdp_scales(model: torch.nn.Module, enabled: bool) -> None:
+    """After the optimizer step, with float8 all-gather: compute every weight's float8
+    scale in one fused reduction, instead of one small all-reduce per weight inside the
+    next forward pass."""
+    if enabled:
+        _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,78 @@
+"""Step 2d: float8 training with torchao. Step 2a (bf16 autocast) plus one conversion.
+
+``convert_float8`` swaps the model's Linear layers for torchao's ``Float8Linear``: every
+matmul of forward and backward casts both operands to float8 with a per-tensor scale from
+their current maximum (dynamic scaling) and runs on the float8 tensor cores, twice bf16's
+rate on an H100. Weights, gradients and AdamW stay fp32, as under AMP.
+    python step2_memory/train_float8.py                 (H100 or newer; CPU: emulated, slow)
+The output layer is kept in bf16, and so is any layer whose sides are not multiples of 16.
+Small models gain little: the casts and amax reductions cost the same per element as the
+matmul saves, and only wide matmuls are long enough for the saving to win.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
+
+import torch
+import torch.nn.functional as F
+
+from common import cli
+from common.data import Batches, load_corpus
+from common.distributed import distributed
+from common.errors import UserError, main_guard
+from common.model import build_model
+from common.parallelize.float8 import convert_float8, float8_unsupported
+from common.run import Run
+from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
+
+
+@main_guard
+def main():
+    p = cli.parser(__doc__)
+    cli.add_amp_flags(p, fp16=False)
+    args = cli.parse(p)
+    if args.amp == "fp16":
+        raise UserError("--amp fp16 is not offered with float8: the matmuls already scale their own operands, "
+                        "and the rest trains in bf16; use --amp bf16 (the default).")
+    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+        cli.check_memory_savers(args, ctx.device)
+        why = float8_unsupported(ctx.device)
+        if why:
+            raise UserError(why)
+        corpus = load_corpus(args.data, seed=args.seed)
+        data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
+
+        model = build_model(args.model_config, ctx.device, seed=args.seed)
+        # In place, from outside the model: Float8Linear keeps the fp32 weight as its
+        # parameter (same names, same state_dict) and casts it to float8 at each call.
+        float8 = convert_float8(model)
+        ctx.print(f"float8: {len(float8['converted'])} Linear layers converted; kept in bf16: "
+                  + ", ".join(f"{k} ({v})" for k, v in float8["skipped"].items()))
+        optimizer = adamw(model.parameters(), args)  # --fused-adamw: one kernel for all parameters
+        scheduler = lr_schedule(optimizer, args)
+        if args.compile:
+            model.compile()  # on a GPU float8 is only fast compiled: the casts fuse into one kernel
+
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2, float8")
+        batches = iter(data)
+        for step in run.steps():
+            with run.step(step):
+                x, y = next(batches)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                # Autocast still runs what is not a converted Linear (attention, the output
+                # layer) in bf16; the Float8Linear layers take its bf16 input and cast it on.
+                with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
+                    logits = model(x)  # (batch, seq, vocab)
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss.backward()  # the gradient's matmuls in float8 too (e5m2's range is not needed: dynamic scales)
+                grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            run.log(step, loss, grad_norm=grad_norm)
+
+        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device), float8=float8)
+
+
+if __name__ == "__main__":
+    main()

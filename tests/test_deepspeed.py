@@ -1,0 +1,78 @@
+"""DeepSpeed beside our ZeRO (step3_multi_gpu/deepspeed.md).
+
+DeepSpeed is not in requirements.txt and CI does not install it: the parity test skips
+without it, and the other tests check, without it, that its absence costs one sentence
+and never the rest of the tutorial.
+"""
+import json
+import runpy
+import sys
+
+import pytest
+
+from common import ROOT
+from common.model import count_params, get_config
+from tools import deepspeed_compare
+
+STEPS = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--eval-batches", "0",
+         "--trace-steps", "1", "--device", "cpu", "--data", str(ROOT / "common" / "model.py")]
+
+
+def test_deepspeed_stages_match_ours_and_shard_what_zero_says(tmp_path):
+    """One torchrun job, 2 ranks: our ZeRO-1 and DeepSpeed's stages 1-3 (fp32) give the same
+    loss at every step (to 1e-5), our counter sees DeepSpeed's collectives (the calls its own
+    comms logger sees, and the same bytes), and each rank
+    holds the optimizer state ZeRO predicts: AdamW's 8N/W for ours, and for DeepSpeed 8N/W
+    plus its fp32 master partition, 4N/W."""
+    pytest.importorskip("deepspeed")
+    names = ["ours_zero1", "ds_zero1", "ds_zero2", "ds_zero3"]
+    deepspeed_compare.launch(names, 2, tmp_path, STEPS)
+    ref = deepspeed_compare.losses(tmp_path / "ours_zero1")
+    n, w = count_params(get_config("debug")), 2
+    for name in names:
+        s = json.loads((tmp_path / name / "summary.json").read_text())
+        loss = deepspeed_compare.losses(tmp_path / name)
+        assert len(loss) == 3 and max(abs(a - b) for a, b in zip(loss, ref)) < 1e-5, (name, loss, ref)
+        assert deepspeed_compare.sent_per_step(s) > 2 * n, name  # at least the gradients' reduction, counted
+        if name.startswith("ds"):  # DeepSpeed's own comms logger saw the calls our counter saw
+            ours = {k.split(" ")[0]: v for k, v in s["comm"][0].items()}
+            theirs = {k.replace("_into_tensor", "").replace("_tensor", ""): v
+                      for k, v in s["deepspeed_comms_logger"].items()}
+            assert {k: v["calls"] for k, v in ours.items()} == {k: v["calls"] for k, v in theirs.items()}, name
+            for op, v in theirs.items():  # it logs an all-gather by each rank's input, we by the whole
+                assert ours[op]["bytes"] == v["bytes"] * (w if op == "all_gather" else 1), (name, op)
+        state = s["memory"][0]["peak_by_category"]["optimizer state"]
+        want = (8 if name.startswith("ours") else 12) * n / w
+        assert abs(state - want) / want < 0.01, (name, state, want)  # + AdamW's step counters
+    params3 = json.loads((tmp_path / "ds_zero3" / "summary.json").read_text())["memory"][0]["at_peak"]["parameters"]
+    assert params3 < 0.75 * 4 * n, "DeepSpeed ZeRO-3 kept whole parameters on a rank"
+
+
+def test_without_deepspeed_the_comparer_says_so_and_compares_ours(monkeypatch, capsys, tmp_path):
+    launched = []
+
+    class Stop(BaseException):  # main_guard turns an Exception into exit 1
+        pass
+
+    def fake_launch(names, nproc, out, rest):
+        launched.extend(names)
+        raise Stop
+
+    monkeypatch.setattr(deepspeed_compare, "have_deepspeed", lambda: False)
+    monkeypatch.setattr(deepspeed_compare, "launch", fake_launch)
+    with pytest.raises(Stop):
+        deepspeed_compare.main(["--out", str(tmp_path)])
+    assert deepspeed_compare.NO_DEEPSPEED in capsys.readouterr().out
+    assert launched == ["ours_zero1", "ours_zero2", "ours_zero3"]
+
+
+def test_without_deepspeed_the_script_is_one_sentence(monkeypatch, capsys, tmp_path):
+    """Where `import deepspeed` fails: exit 2 and one line naming the install, no traceback."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    monkeypatch.setattr(sys, "argv", ["train_deepspeed.py", "--out", str(tmp_path), "--device", "cpu"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "step3_multi_gpu" / "train_deepspeed.py"), run_name="__main__")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: DeepSpeed is not installed (the tutorial does not need it, only this comparison does); "
+        "pip install deepspeed==0.19.8."]
