@@ -662,6 +662,9 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
     checkpointed = checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every)
     comm |= cp_bytes_per_step(cfg, plan.batch // dp, plan.seq_len, cp, b, checkpointed, plan.device)
     out["comm"] = comm
+    return out
+
+
 # ---- mixture of experts and expert parallelism ---------------------------------------------
 def is_expert(name: str) -> bool:
     return ".feed_forward.experts." in name
