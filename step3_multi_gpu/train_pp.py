@@ -34,7 +34,7 @@ from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   pipeline_loss, stage_indices)
+                                   last_stage_rank, pipeline_loss, stage_indices)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
@@ -58,7 +58,8 @@ def main():
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
         pp = ctx.world_size
-        check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
+        check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size,
+                 compile=args.compile, ac=args.ac)
         corpus = load_corpus(args.data, seed=args.seed)
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
@@ -99,10 +100,11 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss, broadcast along the pipeline: every rank logs the same.
-            run.log(step, pipeline_loss(losses, pp - 1, ctx.device), grad_norm=grad_norm, **timer.take())
+            run.log(step, pipeline_loss(losses, last_stage_rank(pp, args.schedule), ctx.device), grad_norm=grad_norm, **timer.take())
 
-        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, pp - 1)
-        bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches)
+        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
+                                     last_stage_rank(pp, args.schedule))
+        bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
         run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)
 
