@@ -135,9 +135,10 @@ CHAPTER3B: list[Run] = [
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
-         "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
+         "--schedules", "gpipe,1f1b,interleaved1f1b,zbv,dualpipev", "--microbatches", "1,2,4,8"],
         nproc=2, job="2_ranks_pipeline", figures={"03_pipeline_bubble.png": "pipeline_bubble.png",
-                                                  "03_pipeline_bubble.md": "pipeline_bubble.md"}),
+                                                  "03_pipeline_bubble.md": "pipeline_bubble.md",
+                                                  "03_pipeline_timeline.png": "pipeline_timeline.png"}),
 ]
 
 # ---- chapter 4: the communication lab (README: the communication lab) -------------------------------
