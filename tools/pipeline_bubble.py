@@ -178,15 +178,19 @@ def plot_timelines(results: list[dict], path: Path, flags: str):
     rows = [max((r for r in results if r["schedule"] == s and (not shared or r["microbatches"] == max(shared))),
                 key=lambda r: r["microbatches"]) for s in schedules]
     pp = rows[0]["pp"]
-    longest = max(r["window_s"] for r in rows) * 1e3
-    fig, axes = plt.subplots(len(rows), 1, figsize=(13, 0.5 + 0.62 * pp * len(rows)), sharex=True, squeeze=False)
+    # Each panel on its own step's scale: the pattern within a step is the message (the
+    # step times, which a shared CPU stretches unevenly, are in the titles and the table).
+    fig, axes = plt.subplots(len(rows), 1, figsize=(13, 0.7 + 0.75 * pp * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
+        longest = r["window_s"] * 1e3
         for rank, actions in enumerate(r["timeline"]):
             y = pp - 1 - rank
             ax.barh(y, r["window_s"] * 1e3, left=0, height=0.8, color="#EEEEEE", edgecolor="#BBBBBB", lw=0.5)
-            for kind, stage, mb, t0, t1 in actions:
-                ax.barh(y, (t1 - t0) * 1e3, left=t0 * 1e3, height=0.8, color=KINDS[kind][1], edgecolor="white", lw=0.3)
-                if (t1 - t0) * 1e3 > longest / 90:
+            first = min((a[1] for a in actions), default=0)
+            for kind, stage, mb, t0, t1 in actions:  # a rank's second stage (interleaved, V) paler
+                ax.barh(y, (t1 - t0) * 1e3, left=t0 * 1e3, height=0.8, color=KINDS[kind][1], edgecolor="white",
+                        lw=0.3, alpha=1.0 if stage == first else 0.6)
+                if (t1 - t0) * 1e3 > longest / 60:
                     ax.text((t0 + t1) / 2 * 1e3, y, str(mb), ha="center", va="center", fontsize=5.5, color="white")
             idle = r["per_rank"][rank]["idle_fraction"]
             ax.text(longest * 1.005, y, f"idle {idle:.0%}", va="center", fontsize=7)
@@ -195,14 +199,15 @@ def plot_timelines(results: list[dict], path: Path, flags: str):
         ax.set_title(f"{r['schedule']}, m = {r['microbatches']}: step {r['window_s'] * 1e3:.0f} ms; formula "
                      f"{FORMULAS[r['schedule']]} = {r['formula']:.0%}{sim}", fontsize=8, loc="left")
         ax.set_xlim(0, longest * 1.08)
-    axes[-1, 0].set_xlabel("ms from the first rank entering the step (numbers: micro-batch; grey: waiting)")
+    axes[-1, 0].set_xlabel("ms from the first rank entering the step (numbers: micro-batch; grey: waiting); "
+                           "each panel on its own scale")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in KINDS.values()] + [
         plt.Rectangle((0, 0), 1, 1, facecolor="#EEEEEE", edgecolor="#BBBBBB")]
-    fig.legend(handles, [n for n, _ in KINDS.values()] + ["idle (the bubble)"], loc="upper right", fontsize=7,
-               ncol=5)
+    fig.legend(handles, [n for n, _ in KINDS.values()] + ["idle (the bubble)"], loc="lower center", fontsize=7,
+               ncol=5, title="paler: the rank's second stage", title_fontsize=7)
     fig.suptitle(f"One step of each schedule, rank by rank, {pp} ranks on CPU (gloo): {flags}", fontsize=9, x=0.01,
                  ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.06, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -109,7 +109,10 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int, timer
     window = _median(windows)
     out = {"window_s": window, "per_rank": per_rank, "formula": bubble_formula(schedule, pp, microbatches)}
     if schedule in SIMULATED:
-        out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
+        try:
+            out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
+        except (AttributeError, TypeError, ValueError):  # a PyTorch whose V schedule builds its lists otherwise
+            pass
     if timer is not None:
         out["timeline"] = _median_timeline(timer, everyone, windows, ctx)
         for rank, actions in zip(per_rank, out["timeline"]):

@@ -447,9 +447,17 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
     after the input half ("I") has passed the gradient on. Counted along the order PyTorch's
     schedule runs (common/parallelize/pp.py:schedule_actions)."""
     from common.parallelize.pp import schedule_actions
+    m = plan.microbatches or plan.pp
+    try:
+        actions = schedule_actions(plan.schedule, plan.pp, m)[rank_stage]
+    except (AttributeError, TypeError, ValueError):  # a PyTorch whose schedule builds its lists otherwise:
+        # ZBV's counts (the first-leg stage holds up to 2p - r micro-batches, the return stage r)
+        first, back = sorted(bytes_per_microbatch)
+        return min(m, 2 * plan.pp - rank_stage) * bytes_per_microbatch[first] + \
+            min(m, rank_stage) * bytes_per_microbatch[back]
     live = dict.fromkeys(bytes_per_microbatch, 0)
     peak = 0.0
-    for kind, s, _ in schedule_actions(plan.schedule, plan.pp, plan.microbatches or plan.pp)[rank_stage]:
+    for kind, s, _ in actions:
         live[s] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
         peak = max(peak, sum(n * bytes_per_microbatch[k] for k, n in live.items()))
     return peak
