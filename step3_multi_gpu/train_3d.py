@@ -123,7 +123,8 @@ def main():
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
                                      last_stage_rank(args.pp, args.schedule),
-                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)
+                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp,
+                                     stages=stages)
         run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages))
 

@@ -108,7 +108,7 @@ def main():
             run.log(step, pipeline_loss(losses, last_stage_rank(pp, args.schedule), ctx.device), grad_norm=grad_norm, **timer.take())
 
         val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
-                                     last_stage_rank(pp, args.schedule))
+                                     last_stage_rank(pp, args.schedule), stages=stages)
         bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
         run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)

@@ -254,10 +254,33 @@ def pipeline_loss(losses: list[torch.Tensor], last_rank: int, device, group=None
     return loss
 
 
+def _forward_through_v(stages, x, y, dim: int, pp_group=None) -> list[torch.Tensor]:
+    """The whole batch through a V's stages in order, forward only; the loss on the rank with
+    the last stage. (PyTorch 2.13's ``eval()`` of the V schedules runs into their backward
+    actions, so validation takes this plain path: one message per rank boundary.)"""
+    import torch.nn.functional as F
+    pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    owner = [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
+    rank = (lambda r: r) if pp_group is None else (lambda r: dist.get_global_rank(pp_group, r))
+    mine = {stage.stage_index: stage.submod for stage in stages}
+    h, losses = x, []
+    for s in sorted(mine):
+        if s > 0 and owner[s - 1] != me:  # the activation comes from the neighbour that ran stage s-1
+            h = torch.empty(*x.shape, dim, device=x.device)
+            dist.recv(h, src=rank(owner[s - 1]), group=pp_group)
+        h = mine[s](h)
+        if s == 2 * pp - 1:
+            losses.append(F.cross_entropy(h.flatten(0, 1).float(), y.flatten()))
+        elif owner[s + 1] != me:
+            dist.send(h.float().contiguous(), dst=rank(owner[s + 1]), group=pp_group)
+    return losses
+
+
 @torch.no_grad()
 def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last: bool, last_rank: int,
-                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1):
-    """Validation loss through the pipeline: forward-only passes of the schedule.
+                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1, stages=None):
+    """Validation loss through the pipeline: forward-only passes of the schedule (for the V
+    schedules, of this rank's ``stages`` in order: ``_forward_through_v``).
 
     With data parallelism too (3-D), each pipeline evaluates its share of every batch and
     the losses are averaged over ``dp_group``.
@@ -272,6 +295,9 @@ def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last:
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
         losses = []
-        schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+        if args.schedule in V_SCHEDULES:
+            losses = _forward_through_v(stages, x, y, args.model_config.dim, pp_group)
+        else:
+            schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
         total += global_loss(pipeline_loss(losses, last_rank, device, pp_group), dp_group, dp_size).item()
     return total / n
