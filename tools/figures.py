@@ -141,6 +141,14 @@ CHAPTER3B: list[Run] = [
                                                   "03_pipeline_timeline.png": "pipeline_timeline.png"}),
 ]
 
+# The zero-bubble V schedules' memory beside 1F1B's: the same model, ranks and batch as the
+# 03_strategies runs, in a folder of their own (tools/pipeline_bubble.py:v_memory_table)
+PP_V = "03_pp_v/"
+CHAPTER3B += [Run(PP_V + s, _PP, _3B + ["--schedule", s, "--microbatches", "8"], nproc=4, job="4_ranks_pp_v",
+                  figures={f"03_memory_trace_pp_{s}.png": "memory_trace.png"} if s != "1f1b" else {})
+              for s in ("1f1b", "zbv", "dualpipev")]
+
+
 # ---- chapter 4: the communication lab (README: the communication lab) -------------------------------
 CHAPTER4 = [
     Run("commlab_collectives", "step3_multi_gpu/bench_collectives.py", [], **_DP4,
@@ -469,6 +477,16 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
               ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
               ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table)]
+
+def pp_v_memory_table(suffix: str = "") -> dict[str, str]:
+    """Per-rank activations of 1F1B, ZBV and DualPipeV, measured beside theory.py's prediction."""
+    from tools.pipeline_bubble import v_memory_table
+    md = v_memory_table({s: run_dir(PP_V + s, suffix) for s in ("1f1b", "zbv", "dualpipev")})
+    (ROOT / "figs" / f"03_pp_v_memory{suffix}.md").write_text(md + "\n")
+    return {"table-03-pp-v-memory" + suffix: md}
+
+
+POST_STEPS.append(("03", pp_v_memory_table))
 
 
 def update_readme(tables: dict[str, str]):

@@ -212,5 +212,24 @@ def plot_timelines(results: list[dict], path: Path, flags: str):
     plt.close(fig)
 
 
+def v_memory_table(runs: dict[str, Path]) -> str:
+    """One row per schedule's run (4 ranks, traced): each rank's activations at their peak,
+    measured, beside common/measure/theory.py's prediction, and its whole peak."""
+    from common.measure.memory import fmt_bytes
+    summaries = {name: json.loads((path / "summary.json").read_text()) for name, path in runs.items()}
+    pp = len(next(iter(summaries.values()))["memory"])
+    lines = ["| schedule | " + " | ".join(f"rank {r}: activations (predicted) / peak" for r in range(pp)) + " |",
+             "|" + "---|" * (pp + 1)]
+    for name, s in summaries.items():
+        predicted = {p["rank"]: p for p in s["predicted"]["per_rank"]}
+        cells = [f"{fmt_bytes(m['peak_by_category']['activations'])} ({fmt_bytes(predicted[m['rank']]['activations'])})"
+                 f" / {fmt_bytes(m['peak_bytes'])}" for m in sorted(s["memory"], key=lambda m: m["rank"])]
+        lines.append(f"| {name}, m = {s['microbatches']} | " + " | ".join(cells) + " |")
+    s = next(iter(summaries.values()))
+    lines += ["", f"{s['model']} preset with {len(sum(s['stage_layers'], []))} layers, batch {s['global_batch_size']} x "
+              f"{s['seq_len']} tokens, fp32, {pp} ranks on CPU; measured by the memory tracer in one traced step."]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()
