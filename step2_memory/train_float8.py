@@ -40,7 +40,7 @@ def main():
         why = float8_unsupported(ctx.device)
         if why:
             raise UserError(why)
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)

@@ -32,7 +32,7 @@ from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   pipeline_loss, stage_indices)
+                                   last_stage_rank, pipeline_loss, stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -73,7 +73,8 @@ def main():
             raise UserError(f"--global-batch-size {args.global_batch_size} does not divide among {args.dp} "
                             f"data-parallel replicas; use a multiple of {args.dp}.")
         check_tp(args.model_config, args.tp, args.seq_len, sequence_parallel=False)
-        check_pp(args.model_config, args.pp, args.schedule, args.microbatches, args.global_batch_size // args.dp)
+        check_pp(args.model_config, args.pp, args.schedule, args.microbatches, args.global_batch_size // args.dp,
+                 compile=args.compile, ac=args.ac)
         mesh = ctx.mesh((args.pp, args.dp, args.tp), ("pp", "dp", "tp"))
         pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
@@ -115,12 +116,15 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss, shared along the pipeline, then averaged over the replicas.
-            loss = global_loss(pipeline_loss(losses, args.pp - 1, ctx.device, mesh["pp"].get_group()),
+            loss = global_loss(pipeline_loss(losses, last_stage_rank(args.pp, args.schedule), ctx.device,
+                                             mesh["pp"].get_group()),
                                mesh["dp"].get_group(), args.dp)
             run.log(step, loss, grad_norm=grad_norm)
 
-        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, args.pp - 1,
-                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp)
+        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
+                                     last_stage_rank(args.pp, args.schedule),
+                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp,
+                                     stages=stages)
         run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages))
 

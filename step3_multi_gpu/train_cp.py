@@ -60,7 +60,7 @@ def main():
         check_cp(args.model_config, cp, args.seq_len, args.load_balance, args.ac)
         micro_batch_size(args.global_batch_size, args.dp, args.grad_accum)  # splits evenly?
         mesh = ctx.mesh((args.dp, cp), ("dp", "cp"))  # cp inner: a sequence's ranks are neighbours
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # The ranks of a cp group read the same sequences (like TP) and each keeps its slice.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=mesh["dp"].get_local_rank(), dp_size=args.dp, seed=args.seed)

@@ -88,7 +88,7 @@ def main(argv=None):
         forget_groups()
         deepspeed.init_distributed(dist_backend=ctx.backend)  # adopts the process group already running
         micro_batch_size(args.global_batch_size, ctx.world_size, 1)  # splits evenly?
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)  # train_ddp.py's samples
 

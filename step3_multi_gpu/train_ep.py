@@ -50,7 +50,7 @@ def main(argv=None):
         # The same ranks are data parallel (all of them) and expert parallel (groups of ep).
         mesh = ctx.mesh((ctx.world_size,), ("ep",)) if ep == ctx.world_size else \
             ctx.mesh((ctx.world_size // ep, ep), ("replicate", "ep"))
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 

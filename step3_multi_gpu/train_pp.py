@@ -4,6 +4,7 @@ the batch flows through the ranks in micro-batches.
     torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule 1f1b --microbatches 8
     torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule gpipe
     torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule interleaved1f1b --n-layers 8
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule zbv --n-layers 8 --microbatches 8
 
 Only activations cross rank boundaries, point to point, once per micro-batch: the
 cheapest communication of any split, which is why pipelines span nodes. The cost is
@@ -12,6 +13,9 @@ idles for a fraction (p-1)/(m+p-1) of a step (the bubble) with p stages and m
 micro-batches. GPipe runs all forwards then all backwards (m micro-batches of
 activations alive); 1F1B starts each backward as soon as it can (at most p alive);
 interleaved 1F1B gives each rank two smaller stages, which shrinks the bubble further.
+The zero-bubble schedules (zbv, dualpipev) also give each rank two stages, in a V (rank 0
+holds the first and the last), and split each backward in two: the input's gradient, which
+the previous stage waits for, at once; the weights', which nobody waits for, in the gaps.
 Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac,
 --compile, --fused-adamw. A pipeline already accumulates gradients over its micro-batches:
 --microbatches is its --grad-accum.
@@ -34,7 +38,7 @@ from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   pipeline_loss, stage_indices)
+                                   last_stage_rank, pipeline_loss, stage_indices)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
@@ -58,13 +62,15 @@ def main():
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
         pp = ctx.world_size
-        check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size)
+        check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size,
+                 compile=args.compile, ac=args.ac)
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         # This rank's stages: one (gpipe, 1f1b), or two for the interleaved schedule (stages
-        # r and r + pp, so each micro-batch loops through the ranks twice).
+        # r and r + pp, so each micro-batch loops through the ranks twice) and for the V
+        # schedules (r and 2pp - 1 - r: down the ranks and back up).
         my_stages = stage_indices(ctx.rank, pp, args.schedule)
         n_stages = pp * len(my_stages)
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed) for s in my_stages]
@@ -98,11 +104,12 @@ def main():
                                            pp_group=dist.group.WORLD, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            # The last stage's loss, broadcast along the pipeline: every rank logs the same.
-            run.log(step, pipeline_loss(losses, pp - 1, ctx.device), grad_norm=grad_norm, **timer.take())
+            # The last stage's loss (on rank 0 in a V), broadcast: every rank logs the same.
+            run.log(step, pipeline_loss(losses, last_stage_rank(pp, args.schedule), ctx.device), grad_norm=grad_norm, **timer.take())
 
-        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, pp - 1)
-        bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches)
+        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
+                                     last_stage_rank(pp, args.schedule), stages=stages)
+        bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
         run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)
 

@@ -54,13 +54,26 @@ CASES = {
         case("tp2_sp", TP, "--model", "debug", "--sequence-parallel", "--no-loss-parallel"),
         case("pp2_gpipe", PP, "--model", "debug", "--schedule", "gpipe", "--microbatches", "4"),
         case("pp2_1f1b", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2"),
-        case("pp2_interleaved", PP, "--model", "debug", "--schedule", "interleaved1f1b", "--microbatches", "4"),
+        case("pp2_interleaved", PP, "--model", "debug", "--schedule", "interleaved1f1b", "--microbatches", "4",
+             "--eval-batches", "1"),
         case("pp2_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "1f1b", "--microbatches", "4",
              base=TRACED),
         # the savers: AC and accumulation in fp32 (parity), bf16 against one device's bf16
         case("tp2_ac", TP, "--model", "debug", "--ac", "full"),
         case("tp2_accum", TP, "--model", "debug", "--grad-accum", "2"),
         case("pp2_ac", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--ac", "selective"),
+        # the zero-bubble V schedules: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zbv with full AC,
+        # which must survive a backward run in two halves)
+        case("pp2_zbv", PP, "--model", "debug", "--schedule", "zbv", "--microbatches", "4", "--ac", "full"),
+        case("pp2_dualpipev", PP, "--model", "debug", "--schedule", "dualpipev", "--microbatches", "4",
+             "--eval-batches", "1"),
+        case("err_pp_dualpipev", PP, "--model", "debug", "--schedule", "dualpipev", "--microbatches", "2",
+             error="dualpipev needs at least as many micro-batches as its 4 stages (2 per rank); use --microbatches "
+                   "4 or more (got 2)."),
+        case("err_pp_zbv_sac", PP, "--model", "debug", "--schedule", "zbv", "--ac", "selective",
+             error="--ac selective with --schedule zbv: selective checkpointing lets each region run backward once, "
+                   "and the schedule runs it twice (input half, then weight half); use --ac full or another "
+                   "schedule."),
         case("bf16_tp2", TP, "--model", "debug", "--amp", "bf16"),
         case("bf16_tp2_sp_ac", TP, "--model", "debug", "--amp", "bf16", "--sequence-parallel", "--ac", "selective"),
         case("bf16_pp2", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--amp", "bf16"),
@@ -80,6 +93,11 @@ CASES = {
              "--microbatches", "4"),
         case("pp4_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "gpipe", "--microbatches", "4",
              base=TRACED),
+        case("pp4_zbv", PP, "--model", "debug", "--n-layers", "8", "--schedule", "zbv", "--microbatches", "4",
+             base=TRACED),
+        # DualPipeV needs m >= 8 stages: 8 sequences, half as long (the same tokens a step)
+        case("pp4_dualpipev", PP, "--model", "debug", "--n-layers", "9", "--schedule", "dualpipev", "--microbatches",
+             "8", "--global-batch-size", "8", "--seq-len", "16"),
         case("2d", TWO_D, "--model", "debug", "--tp", "2", base=TRACED),
         case("2d_ac_accum", TWO_D, "--model", "debug", "--tp", "2", "--ac", "selective", "--grad-accum", "2"),
         case("bf16_2d", TWO_D, "--model", "debug", "--tp", "2", "--amp", "bf16", "--ac", "full"),
@@ -115,6 +133,7 @@ CASES = {
     # tools/multirun.py on meshes shared between runs of one job.
     "3d": [
         case("3d_pp_tp", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2"),
+        case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
              "--schedule", "gpipe"),
         case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
@@ -439,3 +458,79 @@ def test_stage_layers_puts_the_extra_layers_last():
     assert stage_layers(5, 4) == [[0], [1], [2], [3, 4]]
     assert stage_layers(6, 4) == [[0], [1], [2, 3], [4, 5]]
     assert stage_layers(8, 8) == [[i] for i in range(8)]
+
+
+# ---- the zero-bubble V schedules (zbv, dualpipev) ----------------------------------------------
+
+V_CASES = [(2, "pp2_zbv", 4, 4, 4), (2, "pp2_dualpipev", 4, 4, 4), (4, "pp4_zbv", 8, 4, 4),
+           (4, "pp4_dualpipev", 9, 8, 8)]  # (ranks, case, layers, micro-batches, sequences a step)
+
+
+@pytest.mark.parametrize("n,name,n_layers,m,batch", V_CASES, ids=[c[1] for c in V_CASES])
+def test_v_schedule_places_stages_in_a_v(runs, n, name, n_layers, m, batch):
+    """Rank r holds stages r and 2n-1-r: rank 0 the embedding and the output layer. Each
+    rank's parameters are exactly its two stages'; the activations cross 2(n-1) rank
+    boundaries each way (the turn, stages n-1 and n, stays on the last rank); and the
+    schedule really splits the backward: every rank times 2m "I" and 2m "W" per step."""
+    numels = _param_numels(get_config("debug", n_layers=n_layers))
+    summary = result(runs, n, name)["summary"]
+    owned = stage_layers(n_layers, 2 * n)
+    assert summary["stage_layers"] == owned
+    act = batch * (SEQ * BATCH // batch) * get_config("debug").dim * 4
+    memory = {m["rank"]: m for m in summary.get("memory") or []}  # traced cases only
+    for r, (comm, actions) in enumerate(zip(summary["comm"], summary["bubble"]["timeline"], strict=True)):
+        stages = (r, 2 * n - 1 - r)
+        assert sorted({a[1] for a in actions}) == list(stages)
+        if r in memory:
+            mem = memory[r]
+            keep = tuple(f"layers.{i}." for s in stages for i in owned[s]) + (
+                ("tok_embeddings.", "norm.", "output.") if r == 0 else ())
+            assert mem["peak_by_category"]["parameters"] == 4 * sum(v for k, v in numels.items() if k.startswith(keep))
+        crossings = 2 * (2 - (r == 0) - (r == n - 1))  # activations out and gradients back, per stage boundary
+        assert comm["send"]["bytes"] == comm["recv"]["bytes"] == crossings * act, (name, r)
+        kinds = [a[0] for a in actions]
+        if name.endswith("zbv"):
+            assert kinds.count("F") == kinds.count("I") == kinds.count("W") == 2 * m and "B" not in kinds, r
+        else:  # DualPipeV: whole backwards in its overlapped middle, split ones at the ends
+            assert kinds.count("F") == kinds.count("I") + kinds.count("B") == 2 * m, r
+            assert kinds.count("I") == kinds.count("W") > 0, r
+        for a, b in zip(actions, actions[1:]):  # one rank computes one thing at a time
+            assert a[3] <= a[4] <= b[3] + 1e-6, (r, a, b)
+
+
+def test_v_schedule_activations_are_predicted(runs):
+    """theory.predict counts each stage's live micro-batches along PyTorch's own action list
+    (a micro-batch lives from its F to its W): the traced ranks' activations within 15%
+    (the schedule's receive buffers and the loss's are not modelled), the model state exact."""
+    summary = result(runs, 4, "pp4_zbv")["summary"]
+    for row in summary["predicted"]["per_rank"]:
+        for c in ("parameters", "gradients", "optimizer state"):
+            assert row[f"measured {c}"] == row[c], (row["rank"], c)
+        assert row["measured activations"] == pytest.approx(row["activations"], rel=0.15), row["rank"]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedule_simulation_gives_its_formula(schedule):
+    """Playing PyTorch's ZBV and DualPipeV action lists with F = I = W idles (p-1)/(6m+p-1)
+    of the step once there are enough micro-batches to fill the V (m >= 2p-1), more below;
+    and under a quarter of 1F1B's (p-1)/(m+p-1) on the same ranks and micro-batches."""
+    for p in (2, 3, 4):
+        for m in range(1, 13):
+            if schedule == "dualpipev" and m < 2 * p:
+                continue
+            idle, _ = simulate_schedule(schedule, p, m)
+            formula = bubble_formula(schedule, p, m)
+            if m >= 2 * p - 1:
+                assert idle == pytest.approx([formula] * p, abs=1e-12), (p, m)
+                assert formula < bubble_formula("1f1b", p, m) / 4, (p, m)
+            else:
+                assert min(idle) >= formula - 1e-12, (p, m)
+
+
+def test_v_schedule_validation_loss_is_the_pipelines(runs):
+    """The V schedules validate by passing the whole batch through their stages by hand
+    (PyTorch 2.13's eval() of them fails): the same loss as interleaved 1F1B's eval() on the
+    same weights."""
+    got = result(runs, 2, "pp2_dualpipev")["summary"]["val_loss"]
+    want = result(runs, 2, "pp2_interleaved")["summary"]["val_loss"]
+    assert want is not None and got == pytest.approx(want, rel=1e-5)

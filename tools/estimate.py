@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose kernels the formulas assume: attention's saved tensors and AdamW's "
                         "temporaries differ (default: cuda)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"))
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
     p.add_argument("--gpu-mem", type=float, default=H100_80GB_GIB,
                    help=f"memory one GPU reports, in GiB (default: {H100_80GB_GIB:g}, an 80 GB H100)")

@@ -136,10 +136,19 @@ CHAPTER3B: list[Run] = [
     # 2 ranks on 2 cores: each rank has a core, so waiting is not confused with time-sharing
     Run("03_bubble", "tools/pipeline_bubble.py",
         ["--model", "small", "--global-batch-size", "8", "--seq-len", "128", "--steps", "6", "--eval-batches", "0",
-         "--schedules", "gpipe,1f1b", "--microbatches", "1,2,4,8"],
+         "--schedules", "gpipe,1f1b,interleaved1f1b,zbv,dualpipev", "--microbatches", "1,2,4,8"],
         nproc=2, job="2_ranks_pipeline", figures={"03_pipeline_bubble.png": "pipeline_bubble.png",
-                                                  "03_pipeline_bubble.md": "pipeline_bubble.md"}),
+                                                  "03_pipeline_bubble.md": "pipeline_bubble.md",
+                                                  "03_pipeline_timeline.png": "pipeline_timeline.png"}),
 ]
+
+# The zero-bubble V schedules' memory beside 1F1B's: the same model, ranks and batch as the
+# 03_strategies runs, in a folder of their own (tools/pipeline_bubble.py:v_memory_table)
+PP_V = "03_pp_v/"
+CHAPTER3B += [Run(PP_V + s, _PP, _3B + ["--schedule", s, "--microbatches", "8"], nproc=4, job="4_ranks_pp_v",
+                  figures={f"03_memory_trace_pp_{s}.png": "memory_trace.png"} if s != "1f1b" else {})
+              for s in ("1f1b", "zbv", "dualpipev")]
+
 
 # ---- chapter 4: the communication lab (README: the communication lab) -------------------------------
 CHAPTER4 = [
@@ -554,6 +563,16 @@ def chapter3_cp(suffix: str = "") -> dict[str, str]:
 
 
 POST_STEPS.append(("03_cp", chapter3_cp))
+
+def pp_v_memory_table(suffix: str = "") -> dict[str, str]:
+    """Per-rank activations of 1F1B, ZBV and DualPipeV, measured beside theory.py's prediction."""
+    from tools.pipeline_bubble import v_memory_table
+    md = v_memory_table({s: run_dir(PP_V + s, suffix) for s in ("1f1b", "zbv", "dualpipev")})
+    (ROOT / "figs" / f"03_pp_v_memory{suffix}.md").write_text(md + "\n")
+    return {"table-03-pp-v-memory" + suffix: md}
+
+
+POST_STEPS.append(("03", pp_v_memory_table))
 
 
 def update_readme(tables: dict[str, str]):

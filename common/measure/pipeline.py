@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.parallelize.pp import bubble_formula, simulate_schedule
+from common.parallelize.pp import SIMULATED, bubble_formula, simulate_schedule
 
 
 class ComputeTimer:
@@ -36,26 +36,38 @@ class ComputeTimer:
                 self._sync()
                 self.end = time.time()
         schedule.step = timed_step
+        self.actions: list[list] = []  # this step's [kind, stage, micro-batch, start, end]
+        self.timelines: dict[float, list[list]] = {}  # every step's, by its pipeline_start
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(getattr(stage, name), name, stage.stage_index))
 
-    def _timed(self, fn):
+    def _timed(self, fn, name: str, stage_index: int):
         def run(*args, **kwargs):
+            # What the schedule asked for: a forward "F"; a whole backward "B"; or, in the
+            # zero-bubble schedules, its two halves: "I" (the gradient for the previous stage,
+            # on the critical path) and "W" (the weights' gradients, which can wait).
+            kind = "F" if name == "forward_one_chunk" else "W" if name == "backward_weight_one_chunk" else \
+                "B" if kwargs.get("full_backward", True) else "I"
+            mb = args[0] if args else kwargs.get("bwd_chunk_id", kwargs.get("fwd_chunk_id"))
             self._sync()
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._sync()
-                self.busy_s += time.perf_counter() - t
+                elapsed = time.perf_counter() - t
+                self.busy_s += elapsed
+                self.actions.append([kind, stage_index, mb, wall, wall + elapsed])
         return run
 
     def take(self) -> dict[str, float]:
-        """This step's compute seconds and the schedule step's start and end timestamps."""
+        """This step's compute seconds and the schedule step's start and end timestamps (its
+        actions stay here, in ``timelines``, for ``bubble_report``'s figure)."""
         out = {"busy_s": self.busy_s, "pipeline_start": self.start, "pipeline_end": self.end}
-        self.busy_s = 0.0
+        self.timelines[self.start] = self.actions
+        self.busy_s, self.actions = 0.0, []
         return out
 
 
@@ -64,13 +76,15 @@ def _median(xs: list[float]) -> float:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
-def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> dict:
+def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int, timer: ComputeTimer | None = None) -> dict:
     """Measured idle fraction per rank beside the formula and the schedule simulation.
 
     A step's window runs from the first rank entering the schedule's step to the last rank
     leaving it; a rank's idle time is the window minus its compute. Median over the
     untraced steps after the first (a median shrugs off a step where another program took
-    the CPU). Every rank must call this (it gathers each rank's timings).
+    the CPU). With the ``timer``, also the timeline of the median step: each rank's actions
+    (kind, stage, micro-batch, start and end in seconds from the window's start) and its
+    compute seconds by kind. Every rank must call this (it gathers each rank's timings).
     """
     rows = [r for r in metrics.rows[1:] if not r["traced"]] or metrics.rows
     # Only the steps this process ran have timings (after --resume, rank 0's rows also hold
@@ -94,6 +108,23 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int) -> di
                          "idle_fraction": _median([1 - b / w for w, b in zip(windows, busy)])})
     window = _median(windows)
     out = {"window_s": window, "per_rank": per_rank, "formula": bubble_formula(schedule, pp, microbatches)}
-    if schedule in ("gpipe", "1f1b"):
-        out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
+    if schedule in SIMULATED:
+        try:
+            out["simulated"] = simulate_schedule(schedule, pp, microbatches)[0]
+        except (AttributeError, TypeError, ValueError):  # a PyTorch whose V schedule builds its lists otherwise
+            pass
+    if timer is not None:
+        out["timeline"] = _median_timeline(timer, everyone, windows, ctx)
+        for rank, actions in zip(per_rank, out["timeline"]):
+            rank["busy_by_kind_s"] = {k: sum(a[4] - a[3] for a in actions if a[0] == k) for k in "FBIW"}
     return out
+
+
+def _median_timeline(timer: ComputeTimer, everyone, windows: list[float], ctx) -> list[list]:
+    """Every rank's actions in the step whose window is the median one, in seconds from its start."""
+    i = sorted(range(len(windows)), key=windows.__getitem__)[(len(windows) - 1) // 2]
+    start = min(rank[i][1] for rank in everyone)
+    mine = [[k, s, mb, a - start, b - start] for k, s, mb, a, b in timer.timelines.get(everyone[ctx.rank][i][1], [])]
+    timeline = [None] * ctx.world_size
+    dist.all_gather_object(timeline, mine)
+    return timeline

@@ -292,12 +292,16 @@ def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_paral
 
 
 def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank: int, loops: int = 1,
-                      bytes_per_el: int = 4) -> dict[str, int]:
+                      bytes_per_el: int = 4, v: bool = False) -> dict[str, int]:
     """Point-to-point bytes of pipeline rank ``rank`` per step: the whole batch crosses each
     stage boundary once forward (activations) and once backward (their gradients). A rank
-    with ``loops`` stages (interleaved) has that many boundaries each way, less the ends."""
+    with ``loops`` stages (interleaved) has that many boundaries each way, less the ends.
+    In a V (``v``) the turn (stages p-1 and p) sits on the last rank and stages 0 and 2p-1
+    on the first, so the end ranks pass one activation each way and the middle ones two."""
     act = batch * seq_len * cfg.dim * bytes_per_el
     boundaries = (loops - (rank == pp - 1)) + (loops - (rank == 0))
+    if v:
+        boundaries = 2 * (2 - (rank == 0) - (rank == pp - 1))
     return {"send": boundaries * act, "recv": boundaries * act} if pp > 1 else {}
 
 
@@ -415,17 +419,51 @@ class Plan:
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
 
+V_SCHEDULES = ("zbv", "dualpipev")  # (common/parallelize/pp.py's, repeated: pp.py imports this module)
+
+
 def _loops(plan: Plan) -> int:
-    return 2 if plan.schedule == "interleaved1f1b" and plan.pp > 1 else 1
+    return 2 if plan.schedule in ("interleaved1f1b", *V_SCHEDULES) and plan.pp > 1 else 1
+
+
+def _rank_stages(plan: Plan, stage: int) -> list[int]:
+    """The pipeline stages of the rank at position ``stage``: looped (s, s + p) or in a V (s, 2p - 1 - s)."""
+    if plan.schedule in V_SCHEDULES and plan.pp > 1:
+        return [stage, 2 * plan.pp - 1 - stage]
+    return [stage + k * plan.pp for k in range(_loops(plan))]
 
 
 def rank_shapes(plan: Plan, rank: int) -> dict[str, tuple[int, ...]]:
     stage, _, _ = plan.coords(rank)
     loops = _loops(plan)
     shapes = {}
-    for k in range(loops):
-        shapes |= stage_shapes(plan.cfg, stage + k * plan.pp, plan.pp * loops)
+    for s in _rank_stages(plan, stage):
+        shapes |= stage_shapes(plan.cfg, s, plan.pp * loops)
     return tp_shapes(shapes, plan.tp)
+
+
+def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, float]) -> float:
+    """The most a V-schedule rank holds at once of ``bytes_per_microbatch[stage]`` per live
+    micro-batch of each of its two stages. A micro-batch's activations on a stage live from
+    its forward ("F") to the end of its backward: the full backward ("B") or, where the
+    schedule splits it, the weight half ("W"), which still needs the layers' saved inputs
+    after the input half ("I") has passed the gradient on. Counted along the order PyTorch's
+    schedule runs (common/parallelize/pp.py:schedule_actions)."""
+    from common.parallelize.pp import schedule_actions
+    m = plan.microbatches or plan.pp
+    try:
+        actions = schedule_actions(plan.schedule, plan.pp, m)[rank_stage]
+    except (AttributeError, TypeError, ValueError):  # a PyTorch whose schedule builds its lists otherwise:
+        # ZBV's counts (the first-leg stage holds up to 2p - r micro-batches, the return stage r)
+        first, back = sorted(bytes_per_microbatch)
+        return min(m, 2 * plan.pp - rank_stage) * bytes_per_microbatch[first] + \
+            min(m, rank_stage) * bytes_per_microbatch[back]
+    live = dict.fromkeys(bytes_per_microbatch, 0)
+    peak = 0.0
+    for kind, s, _ in actions:
+        live[s] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+        peak = max(peak, sum(n * bytes_per_microbatch[k] for k, n in live.items()))
+    return peak
 
 
 def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
@@ -461,6 +499,23 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     return moments[at], at, temporaries
 
 
+def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
+    """A V-schedule rank's activations at their peak, and the most micro-batch-stages alive then
+    (each stage's forward casts its own bf16 RoPE tables): each stage's blocks (checkpointed
+    from its own first block) and, on the last stage, the head, weighted by its live micro-batches."""
+    cfg, n_stages = plan.cfg, 2 * plan.pp
+    per_mb = {}
+    for s in _rank_stages(plan, stage):
+        n = len(stage_layers(cfg.n_layers, n_stages)[s])
+        k = checkpointed_blocks(n, plan.ac, plan.ac_every)
+        per_mb[s] = sum(c * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel,
+                                                   plan.device) for c, ac in ((k, plan.ac), (n - k, "none")) if c)
+        if s == n_stages - 1:
+            per_mb[s] += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel,
+                                               plan.sequence_parallel)
+    return int(v_live_peak(plan, stage, per_mb)), int(v_live_peak(plan, stage, dict.fromkeys(per_mb, 1)))
+
+
 def predict(plan: Plan, rank: int = 0) -> dict:
     """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
     if plan.strategy in ("cp", "cp_fsdp"):
@@ -487,6 +542,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
     act *= in_flight
+    if plan.schedule in V_SCHEDULES and plan.pp > 1:  # two stages whose micro-batches come and go apart
+        act, in_flight = _v_activations(plan, stage, tokens)
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
     transient = {}
     if plan.dtype == "bf16":
@@ -547,7 +604,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             comm[k] = comm.get(k, 0) + v
     if plan.pp > 1:
         # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
-        comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops)
+        comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops,
+                                  v=plan.schedule in V_SCHEDULES)
     if plan.strategy == "ep":
         comm = ep_comm(plan, shapes, tokens)
     out["comm"] = comm

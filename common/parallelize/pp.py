@@ -16,21 +16,41 @@ from common.measure.theory import stage_layers  # the formulas live in theory.py
 from common.model import ModelConfig, Transformer
 from common.training import eval_batch_count, global_loss
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+SIMULATED = ("gpipe", "1f1b", *V_SCHEDULES)  # the schedules simulate_schedule can play
 
 
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
 def stage_indices(rank: int, pp: int, schedule: str) -> list[int]:
-    """The stages this rank runs: one, or for the interleaved schedule one per loop (r, r + pp)."""
+    """The stages this rank runs: one; for the interleaved schedule one per loop (r, r + pp);
+    for the V schedules r and 2p - 1 - r, so a micro-batch goes down the ranks and back up,
+    and rank 0 holds both the embedding (stage 0) and the output layer (stage 2p - 1)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(STAGES_PER_RANK[schedule])]
 
 
-def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global_batch: int):
+def last_stage_rank(pp: int, schedule: str) -> int:
+    """The rank that holds the last stage, which computes the loss: rank 0 in a V."""
+    return 0 if schedule in V_SCHEDULES else pp - 1
+
+
+def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global_batch: int, compile: bool = False,
+             ac: str = "none"):
     """Refuse pipeline shapes that cannot run (before any collective)."""
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    if compile and schedule in V_SCHEDULES:  # PyTorch refuses it, with a traceback, once the stages exist
+        raise UserError(f"--compile with --schedule {schedule}: the schedule splits each backward into an input "
+                        f"half and a weight half, which PyTorch's pipelining cannot do through a compiled stage; "
+                        f"drop --compile or use gpipe, 1f1b or interleaved1f1b.")
+    if ac == "selective" and schedule in V_SCHEDULES:  # and so does selective checkpointing, mid-step
+        raise UserError(f"--ac selective with --schedule {schedule}: selective checkpointing lets each region run "
+                        f"backward once, and the schedule runs it twice (input half, then weight half); use --ac "
+                        f"full or another schedule.")
     n_stages = pp * STAGES_PER_RANK[schedule]
     if cfg.n_layers < n_stages:
         raise UserError(f"{n_stages} pipeline stages ({pp} ranks x {STAGES_PER_RANK[schedule]} with {schedule}) "
@@ -44,6 +64,9 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
         raise UserError(f"interleaved1f1b needs the number of micro-batches to be a multiple of the {pp} "
                         f"pipeline ranks; use --microbatches {pp * max(1, round(microbatches / pp))} "
                         f"(got {microbatches}).")
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise UserError(f"dualpipev needs at least as many micro-batches as its {2 * pp} stages (2 per rank); "
+                        f"use --microbatches {2 * pp} or more (got {microbatches}).")
     if global_batch % microbatches:
         raise UserError(f"--global-batch-size {global_batch} does not split into {microbatches} equal "
                         f"micro-batches; use a multiple of {microbatches}.")
@@ -101,6 +124,12 @@ def make_schedule(schedule: str, stages, microbatches: int, loss_fn):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     if schedule == "interleaved1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    if schedule == "zbv":
+        from torch.distributed.pipelining import ScheduleZBVZeroBubble
+        return ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    if schedule == "dualpipev":
+        from torch.distributed.pipelining import ScheduleDualPipeV
+        return ScheduleDualPipeV(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
@@ -125,31 +154,72 @@ def schedule_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple
     return order
 
 
-def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0):
-    """Idle fraction per rank of the textbook GPipe / 1F1B order, with uniform stages.
+def schedule_actions(schedule: str, pp: int, microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """Each rank's compute actions in order, as (kind, stage, micro-batch): "F" forward, "B"
+    full backward, "I" backward for the input only, "W" backward for the weights only.
 
-    Each rank runs its forward (cost ``f``) and backward (cost ``b``) micro-batch steps in
-    the schedule's order, each as soon as its input has arrived (forward of micro-batch i
-    on stage s after stage s-1's; backward after stage s+1's). Communication is free.
-    Returns (per-rank idle fraction of the step, step length). For both schedules this
-    gives (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the
-    bubble.
+    GPipe and 1F1B: ``schedule_order``. The V schedules: the very lists PyTorch's schedule
+    builds for each rank (its ``_calculate_single_rank_operations``, run on a stand-in with
+    the few attributes it reads), DualPipeV's overlapped pairs unpacked into their two actions.
     """
-    order = schedule_order(schedule, pp, microbatches)
+    if schedule in ("gpipe", "1f1b"):
+        return [[(kind, r, i) for kind, i in ops] for r, ops in enumerate(schedule_order(schedule, pp, microbatches))]
+    if schedule not in V_SCHEDULES:
+        raise ValueError(f"no action list for {schedule}")
+    from types import SimpleNamespace
+
+    from torch.distributed import pipelining
+    cls = pipelining.ScheduleZBVZeroBubble if schedule == "zbv" else pipelining.ScheduleDualPipeV
+    stand_in = SimpleNamespace(pp_group_size=pp, _n_microbatches=microbatches, num_stages=2 * pp, _num_stages=2 * pp)
+    out = []
+    for r in range(pp):
+        ops = []
+        for a in cls._calculate_single_rank_operations(stand_in, r):
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                ops.append((str(sub.computation_type.value if hasattr(sub.computation_type, "value")
+                                else sub.computation_type), sub.stage_index, sub.microbatch_index))
+        out.append(ops)
+    return out
+
+
+def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0):
+    """Idle fraction per rank of a schedule's action lists (``schedule_actions``), with uniform stages.
+
+    Each rank runs its actions in order, each as soon as its input has arrived: the forward
+    of micro-batch i on stage s after stage s-1's; its backward after stage s+1's (the last
+    stage: after its own forward); "W" after the same stage's "I". A whole stage's forward
+    costs ``f`` and its backward ``b``; a V schedule's stages are half a rank's layers, so
+    f/2 and b/2; "I" and "W" split a backward in equal halves. Communication is free.
+    Returns (per-rank idle fraction of the step, step length). For GPipe and 1F1B this gives
+    (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the bubble.
+    """
+    order = schedule_actions(schedule, pp, microbatches)
+    v = STAGES_PER_RANK[schedule]
+    last = pp * v - 1
+    cost = {"F": f / v, "B": b / v, "I": b / v / 2, "W": b / v / 2}
     done: dict[tuple[str, int, int], float] = {}
+
+    def dependency(kind, stage, i):
+        if kind == "F":
+            return ("F", stage - 1, i) if stage > 0 else None
+        if kind == "W":
+            return ("I", stage, i)
+        return ("B", stage + 1, i) if stage < last else ("F", stage, i)
+
     clock = [0.0] * pp
     pos = [0] * pp
     while any(pos[r] < len(order[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
             while pos[r] < len(order[r]):
-                kind, i = order[r][pos[r]]
-                dep = ("F", r - 1, i) if kind == "F" and r > 0 else ("B", r + 1, i) if kind == "B" and r < pp - 1 \
-                    else ("F", r, i) if kind == "B" else None
+                kind, stage, i = order[r][pos[r]]
+                dep = dependency(kind, stage, i)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r], done.get(dep, 0.0))
-                clock[r] = done[(kind, r, i)] = start + (f if kind == "F" else b)
+                clock[r] = start + cost[kind]
+                # a later stage's backward waits for this one's input gradient, which "I" or "B" makes
+                done[(kind, stage, i)] = done[("B" if kind == "I" else kind, stage, i)] = clock[r]
                 pos[r] += 1
                 progressed = True
         if not progressed:
@@ -160,7 +230,17 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int) -> float:
-    """The idle fraction of a step: (p-1)/(m+p-1); interleaving v stages per rank: (p-1)/(v*m+p-1)."""
+    """The idle fraction of a step: (p-1)/(m+p-1); interleaving v stages per rank: (p-1)/(v*m+p-1).
+
+    The V schedules: (p-1)/(6m+p-1), with a stage's forward, input-backward and
+    weight-backward of one micro-batch taking the same time t (the zero-bubble papers'
+    assumption). A rank runs 2 stages x m micro-batches x 3 actions = 6m of them, and
+    (p-1) t of idle remains: the last rank waits that long for micro-batch 0 to come down
+    the V. Derived by simulating PyTorch's action lists (``simulate_schedule``); exact from
+    m >= 2p - 1 micro-batches (DualPipeV demands m >= 2p anyway), a lower bound below.
+    """
+    if schedule in V_SCHEDULES:
+        return (pp - 1) / (6 * microbatches + pp - 1)
     v = STAGES_PER_RANK[schedule]
     return (pp - 1) / (v * microbatches + pp - 1)
 
@@ -174,10 +254,33 @@ def pipeline_loss(losses: list[torch.Tensor], last_rank: int, device, group=None
     return loss
 
 
+def _forward_through_v(stages, x, y, dim: int, pp_group=None) -> list[torch.Tensor]:
+    """The whole batch through a V's stages in order, forward only; the loss on the rank with
+    the last stage. (PyTorch 2.13's ``eval()`` of the V schedules runs into their backward
+    actions, so validation takes this plain path: one message per rank boundary.)"""
+    import torch.nn.functional as F
+    pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    owner = [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
+    rank = (lambda r: r) if pp_group is None else (lambda r: dist.get_global_rank(pp_group, r))
+    mine = {stage.stage_index: stage.submod for stage in stages}
+    h, losses = x, []
+    for s in sorted(mine):
+        if s > 0 and owner[s - 1] != me:  # the activation comes from the neighbour that ran stage s-1
+            h = torch.empty(*x.shape, dim, device=x.device)
+            dist.recv(h, src=rank(owner[s - 1]), group=pp_group)
+        h = mine[s](h)
+        if s == 2 * pp - 1:
+            losses.append(F.cross_entropy(h.flatten(0, 1).float(), y.flatten()))
+        elif owner[s + 1] != me:
+            dist.send(h.float().contiguous(), dst=rank(owner[s + 1]), group=pp_group)
+    return losses
+
+
 @torch.no_grad()
 def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last: bool, last_rank: int,
-                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1):
-    """Validation loss through the pipeline: forward-only passes of the schedule.
+                      pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1, stages=None):
+    """Validation loss through the pipeline: forward-only passes of the schedule (for the V
+    schedules, of this rank's ``stages`` in order: ``_forward_through_v``).
 
     With data parallelism too (3-D), each pipeline evaluates its share of every batch and
     the losses are averaged over ``dp_group``.
@@ -192,6 +295,9 @@ def pipeline_evaluate(schedule, tokens, args, device, has_first: bool, has_last:
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
         losses = []
-        schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+        if args.schedule in V_SCHEDULES:
+            losses = _forward_through_v(stages, x, y, args.model_config.dim, pp_group)
+        else:
+            schedule.eval(*([x] if has_first else []), target=y if has_last else None, losses=losses)
         total += global_loss(pipeline_loss(losses, last_rank, device, pp_group), dp_group, dp_size).item()
     return total / n
