@@ -169,12 +169,22 @@ def test_estimator_blocks_follow_their_commands():
     """Each README block the figures command fills with the estimator's output comes right
     after a bash block holding exactly the commands that make it."""
     import shlex
-    for marker, (commands, _) in figures.ESTIMATES.items():
+    for marker, (commands, _) in {**figures.ESTIMATES, "est-dry-run-1b": ([figures.DRY_ESTIMATE], True)}.items():
         page = block(marker)[0].read_text()
         head = page.split(f"<!-- BEGIN {marker} -->", 1)[0]
         shown = head.rstrip().removesuffix("```").rsplit("```bash\n", 1)[1]
         assert [shlex.split(line)[3:] for line in shown.strip().splitlines()] == commands, marker
         assert all(line.startswith("python -m tools.estimate ") for line in shown.strip().splitlines())
+
+
+def test_the_dry_run_block_holds_three_answers_that_agree_on_model_state():
+    """The 1b dry-run block (minutes to make: python -m tools.figures --only dry_estimate) shows
+    the formula, the trace and the dry run, equal on parameters, gradients and AdamW state."""
+    text = block("est-dry-run-1b")[1]
+    for c in ("parameters", "gradients", "optimizer state"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(c))
+        assert line.split()[-4:][1::2] == ["1.000", "1.000"], line
+    assert "the dry run's collectives per step" in text
 
 
 def test_estimator_blocks_are_current():

@@ -555,6 +555,30 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
               ("02_float8", float8_table), ("03_deepspeed", deepspeed_table)]
 POST_STEPS.append(("03_ep", write_ep_figures))
 
+# The estimator's --dry-run beside its formula and its trace, for a layout no machine here could
+# hold whole: Llama 3.2 1B's shape (its 128256-token vocabulary, synthetic ids) as rank 0 of FSDP
+# over 8. Minutes on 2 cores (the rank runs the whole model's matmuls): a prefix of its own, so
+# --only estimates stays quick (--only dry_estimate makes it).
+DRY_ESTIMATE = ["--model", "1b", "--vocab-size", "128256", "--world-size", "8", "--strategy", "fsdp", "--batch", "8",
+                "--seq-len", "256", "--device", "cpu", "--trace", "--dry-run"]
+
+
+def dry_run_estimate(suffix: str = "") -> dict[str, str]:
+    """will_it_fit.md's block: what ``python -m tools.estimate *DRY_ESTIMATE`` prints."""
+    import contextlib
+    import io
+
+    from tools.estimate import main as estimate
+    if suffix:
+        return {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        estimate(DRY_ESTIMATE)
+    return {"est-dry-run-1b": f"```\n{out.getvalue().strip()}\n```"}
+
+
+POST_STEPS.append(("dry_estimate", dry_run_estimate))
+
 
 def chapter3_cp(suffix: str = "") -> dict[str, str]:
     """The context-parallel figure and table (step3_multi_gpu/cp_tables.py)."""
