@@ -71,15 +71,30 @@ PLANS = {
 }
 
 
-def _torchrun(n: int, *args, timeout: int):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The 2-, 3- and 4-rank jobs, started together (much of a job is waiting: start-up,
+    rendezvous, ranks waiting on each other) and collected as the tests ask for them."""
+    procs = {}
+    for world in sorted(PLANS):
+        out = tmp_path_factory.mktemp(f"dp{world}") / "results.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               "tests/drivers/dp.py", str(out), json.dumps(PLANS[world])]
+        procs[world] = (subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                        out)
+    yield procs
+    for proc, _ in procs.values():
+        proc.kill()
 
 
-def _launch(world: int, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"dp{world}") / "results.json"
-    r = _torchrun(world, "tests/drivers/dp.py", str(out), json.dumps(PLANS[world]), timeout=150)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+def _launch(world: int, launched: dict) -> dict:
+    proc, out = launched[world]
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the {world}-rank job did not finish in 240 s (a hang?)")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     results = json.loads(out.read_text())
     for name, entry in results.items():
         if isinstance(entry, dict) and not name.startswith("bad_"):
@@ -88,18 +103,18 @@ def _launch(world: int, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def job2(tmp_path_factory):
-    return _launch(2, tmp_path_factory)
+def job2(launched):
+    return _launch(2, launched)
 
 
 @pytest.fixture(scope="module")
-def job3(tmp_path_factory):
-    return _launch(3, tmp_path_factory)
+def job3(launched):
+    return _launch(3, launched)
 
 
 @pytest.fixture(scope="module")
-def job4(tmp_path_factory):
-    return _launch(4, tmp_path_factory)
+def job4(launched):
+    return _launch(4, launched)
 
 
 @pytest.fixture(params=sorted(PLANS), ids=lambda w: f"{w}ranks")
