@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
 from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
-from tests.tolerances import check_bf16_parity  # noqa: E402
+from tests.tolerances import check_bf16_parity, check_dry_run  # noqa: E402
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -264,18 +264,7 @@ def dry(tmp_path_factory):
 def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
     """TP and 2-D: rank R alone (--fake-world-size) holds and sends exactly what rank R of
     the real run does, by category and by collective."""
-    rank, mine, real = DRY[(n, name)], dry[name], result(runs, n, name)["summary"]
-    assert mine["dry_run"] == {"rank": rank, "world_size": WORLD[n]}
-    (memory,) = mine["memory"]
-    assert memory["rank"] == rank
-    assert memory["before_optimizer"] == real["memory"][rank]["before_optimizer"]
-    # every category's peak exactly, but "other": a real rank's collectives hold their buffers
-    # until they complete, a fake one's complete at once, so its temporaries can peak lower
-    want, got = real["memory"][rank]["peak_by_category"], memory["peak_by_category"]
-    assert {k: v for k, v in got.items() if k != "other"} == {k: v for k, v in want.items() if k != "other"}
-    assert 0.8 * want["other"] <= got["other"] <= want["other"], (got["other"], want["other"])
-    (sent,) = mine["comm"]
-    assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
+    check_dry_run(dry[name], result(runs, n, name)["summary"], DRY[(n, name)], WORLD[n])
 
 
 @pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])

@@ -20,3 +20,20 @@ def check_bf16_parity(name: str, got: list[float], ref16: list[float], ref32: li
     assert gap > 1e-6, "the bf16 reference must differ from fp32"
     assert max(abs(a - b) for a, b in zip(got, ref16)) <= 2 * gap, (name, got, ref16, ref32)
     assert got != ref32, name
+
+
+def check_dry_run(dry: dict, real: dict, rank: int, world: int) -> None:
+    """A dry run's summary (``--fake-world-size world --fake-rank rank``) against the real
+    run's: rank R's model state before the optimizer step and every category's peak exactly,
+    and its bytes per collective; marked as a dry run of that rank. "other" may peak up to
+    20% lower: a real rank's collectives hold their buffers until they complete, a fake
+    one's complete at once."""
+    assert dry["dry_run"] == {"rank": rank, "world_size": world}
+    (memory,) = dry["memory"]
+    assert memory["rank"] == rank
+    assert memory["before_optimizer"] == real["memory"][rank]["before_optimizer"]
+    want, got = real["memory"][rank]["peak_by_category"], memory["peak_by_category"]
+    assert {k: v for k, v in got.items() if k != "other"} == {k: v for k, v in want.items() if k != "other"}
+    assert 0.8 * want["other"] <= got["other"] <= want["other"], (got["other"], want["other"])
+    (sent,) = dry["comm"]
+    assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
