@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.errors import UserError, main_guard
 from common.measure.memory import fmt_bytes
 from common.model import PRESETS, get_config
-from common.measure.theory import ALIASES, CATEGORIES, STRATEGIES, Plan, predict
+from common.measure.theory import ALIASES, CATEGORIES, ROOT_REDUCE, STRATEGIES, Plan, predict
 
 GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
@@ -487,6 +487,10 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
         rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], [None] * len(measured)))
     if measured:
         rows.append(("other (measured: temporaries)", None, [m["other"] for _, m in measured]))
+    root = est.get(ROOT_REDUCE, {})
+    if est["peak_at"] == "end of backward" and est["peak"] == est["parameters"] + est["optimizer state"] + sum(root.values()):
+        # the peak is that moment: say what is alive in it besides the shards and AdamW's state
+        rows += [(f"  at peak: {k}", v, [None] * len(measured)) for k, v in root.items()]
     rows.append((f"peak ({est['peak_at']})", est["peak"], [m["peak"] for _, m in measured]))
     w = max(len(r[0]) for r in rows)
     print(f"  {'':<{w}}  {'formula':>10}" + "".join(f"  {name:>10}  {name + '/formula':>17}" for name, _ in measured))

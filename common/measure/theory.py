@@ -346,13 +346,16 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", a
 
 
 def head_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp: int = 1,
-                          loss_parallel: bool = True, sequence_parallel: bool = False) -> int:
-    """The final norm, the logits and cross entropy's log-probabilities (last stage only)."""
+                          loss_parallel: bool = True, sequence_parallel: bool = False,
+                          fp32_logits: bool = False) -> int:
+    """The final norm, the logits and cross entropy's log-probabilities (last stage only).
+    ``fp32_logits``: bf16 compute that hands the loss fp32 logits (FSDP's root policy,
+    output_dtype fp32: the bf16 matmul output dies in the cast, its fp32 copy is kept)."""
     d, v = cfg.dim, cfg.vocab_size // (tp if loss_parallel else 1)
     norm = 12 * d + 4 if dtype == "fp32" else 10 * d + 4
     if sequence_parallel:
         norm = (norm - 4 * d) // tp + 4 * d
-    logits = (4 if dtype == "fp32" else 2) * v
+    logits = (4 if dtype == "fp32" or fp32_logits else 2) * v
     return tokens * (norm + logits + 4 * v)
 
 
@@ -493,10 +496,34 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     temporaries = state_bytes // 2 if plan.device == "cuda" else 0
     full = out["parameters"] + out["gradients"] + state_bytes
     moments = {"end of forward": base + cache, "start of backward": base + rebuilt,
-               "end of backward": full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
+               "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
+                                      out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
     at = max(moments, key=moments.get)
     return moments[at], at, temporaries
+
+
+ROOT_REDUCE = "FSDP root unit's reduce-scatter"
+
+
+def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
+    """The last moment of an FSDP backward, less the parameter shards and AdamW state: the
+    root unit (embedding, final norm, output layer) is the last to be reduce-scattered.
+    Its gathered weights are freed by then (FSDP reshards a unit before reducing it), but
+    its full-size gradients (in the compute dtype) and their copy into the reduce-scatter
+    buffer (fp32, the reduce dtype) are alive together, beside every other unit's gradient
+    shard and the logits the script still holds (fp32: the root's output dtype). Small with
+    a byte vocabulary; with a 128K one the root is larger than any block (measured at 1b,
+    rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the peak)."""
+    root = {k: s for k, s in shapes.items() if is_root(k)}
+    if not root:
+        return {}
+    full = sum(padded_shard_numel(s, shard) * shard for s in root.values())
+    own = 4 * sum(padded_shard_numel(s, shard) for s in root.values())
+    return {"other units' gradient shards": grads - own,
+            f"root's full gradients ({plan.dtype})": DTYPE_BYTES[plan.dtype] * full,
+            "root's fp32 reduce-scatter copy": 4 * full,
+            "logits still held (fp32)": 4 * tokens * (plan.cfg.vocab_size // plan.tp) if "output.weight" in root else 0}
 
 
 def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
@@ -540,7 +567,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device)
               for k, ac in ((checkpointed, plan.ac), (n_layers - checkpointed, "none")) if k)
     if "output.weight" in shapes:
-        act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel)
+        act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel,
+                                     fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")))
     act *= in_flight
     if plan.schedule in V_SCHEDULES and plan.pp > 1:  # two stages whose micro-batches come and go apart
         act, in_flight = _v_activations(plan, stage, tokens)
@@ -580,6 +608,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
         transient["gathered parameters (FSDP)"] = pbytes * gathered
         transient["unsharded gradients (FSDP)"] = 4 * 2 * block_n
+        if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens):
+            out[ROOT_REDUCE] = root
     if plan.ac in ("full", "selective") and n_layers:
         # backward rebuilds one block at a time: all of it (full), or what selective AC dropped
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
