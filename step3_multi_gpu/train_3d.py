@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
+import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
@@ -32,7 +33,7 @@ from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   last_stage_rank, pipeline_loss, stage_indices)
+                                   LoneStage, last_stage_rank, pipeline_loss, stage_indices, stage_shapes)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -62,7 +63,7 @@ def main():
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    check_no_accum(args)  # (and no dry run: see there)
+    check_no_accum(args)
     with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -92,8 +93,12 @@ def main():
         my_stages = stage_indices(pp_rank, args.pp, args.schedule)
         n_stages = args.pp * len(my_stages)
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
-        stages = [PipelineStage(m, s, n_stages, ctx.device, group=mesh["pp"].get_group())
-                  for m, s in zip(models, my_stages)]
+        # A dry run's rank is told its stages' shapes (train_pp.py): the residual stream crosses
+        # in fp32, and FSDP's root hands out fp32 logits.
+        stage = LoneStage if ctx.fake else PipelineStage
+        stages = [stage(m, s, n_stages, ctx.device, group=mesh["pp"].get_group(), **(stage_shapes(
+            args.model_config, s, n_stages, args.global_batch_size // args.dp // args.microbatches, args.seq_len,
+            ctx.device, torch.float32) if ctx.fake else {})) for m, s in zip(models, my_stages)]
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)

@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
@@ -38,7 +39,8 @@ from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   last_stage_rank, pipeline_loss, stage_indices)
+                                   LoneStage, last_stage_rank, pipeline_loss, stage_indices,
+                                   stage_shapes)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
@@ -57,7 +59,7 @@ def main():
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    check_no_accum(args)  # (and no dry run: see there)
+    check_no_accum(args)
     with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
@@ -80,7 +82,13 @@ def main():
             # The schedule, not this script, calls each stage's forward: autocast goes on the
             # forward itself. Activations cross stages in the residual stream's dtype (fp32).
             autocast_forward(m, ctx.device, args.amp_dtype)
-        stages = [PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(models, my_stages)]
+        # A dry run's rank has no neighbours to agree on shapes with: it is told them.
+        if ctx.fake:
+            stages = [LoneStage(m, s, n_stages, ctx.device, **stage_shapes(
+                args.model_config, s, n_stages, args.global_batch_size // args.microbatches, args.seq_len, ctx.device,
+                args.amp_dtype or torch.float32)) for m, s in zip(models, my_stages)]
+        else:
+            stages = [PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(models, my_stages)]
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)

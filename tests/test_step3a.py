@@ -376,10 +376,6 @@ def test_plain_python_runs_one_rank_and_says_how_to_launch(tmp_path):
      "other ranks' parts never arrive); drop --save-weights."),
     ("step3_multi_gpu/train_tp.py", ["--fake-rank", "1"],
      "error: --fake-rank needs --fake-world-size (the layout the rank belongs to)."),
-    ("step3_multi_gpu/train_pp.py", ["--fake-world-size", "2"],
-     "error: --fake-world-size: a pipeline rank cannot run alone (its stages agree on shapes with their neighbours "
-     "before the first step); dry-run train_ddp.py, train_fsdp.py, train_tp.py or train_2d.py, or ask python -m "
-     "tools.estimate for the pipeline."),
     ("step3_multi_gpu/train_ddp.py", ["--fake-world-size", "2", "--comm-hook", "fp16"],
      "error: --comm-hook fp16 cannot run in a dry run (--fake-world-size): it computes with what the other ranks "
      "send, which never arrives; drop --comm-hook."),

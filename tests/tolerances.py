@@ -22,18 +22,23 @@ def check_bf16_parity(name: str, got: list[float], ref16: list[float], ref32: li
     assert got != ref32, name
 
 
-def check_dry_run(dry: dict, real: dict, rank: int, world: int) -> None:
+def check_dry_run(dry: dict, real: dict, rank: int, world: int, received: int = 0) -> None:
     """A dry run's summary (``--fake-world-size world --fake-rank rank``) against the real
     run's: rank R's model state before the optimizer step and every category's peak exactly,
     and its bytes per collective; marked as a dry run of that rank. "other" may peak up to
     20% lower: a real rank's collectives hold their buffers until they complete, a fake
-    one's complete at once."""
+    one's complete at once. ``received``: the bytes of pipeline receives a real rank may
+    still hold at its activation peak and a lone one does not (a schedule with two stages
+    a rank posts receives ahead; a fake receive completes at once)."""
     assert dry["dry_run"] == {"rank": rank, "world_size": world}
     (memory,) = dry["memory"]
     assert memory["rank"] == rank
-    assert memory["before_optimizer"] == real["memory"][rank]["before_optimizer"]
+    state = lambda m: {k: v for k, v in m["before_optimizer"].items() if k != "other"}  # noqa: E731
+    assert state(memory) == state(real["memory"][rank])
     want, got = real["memory"][rank]["peak_by_category"], memory["peak_by_category"]
-    assert {k: v for k, v in got.items() if k != "other"} == {k: v for k, v in want.items() if k != "other"}
+    exact = ("parameters", "gradients", "optimizer state") + (() if received else ("activations",))
+    assert {k: got[k] for k in exact} == {k: want[k] for k in exact}
+    assert want["activations"] - received <= got["activations"] <= want["activations"]
     assert 0.8 * want["other"] <= got["other"] <= want["other"], (got["other"], want["other"])
     (sent,) = dry["comm"]
     assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}

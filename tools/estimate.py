@@ -313,15 +313,16 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
     shape = (p.batch // m, p.seq_len)
     for step in range(2):
-        # One autocast region around the whole step, as around a schedule's step(): the bf16
-        # copies of the weights are cast once and shared by every micro-batch in flight.
-        with tracer.record(step), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        with tracer.record(step):
             in_flight = {}
             for kind, i in schedule_order(p.schedule, p.pp, m)[rank]:
                 if kind == "F":
                     x = (torch.randint(0, p.cfg.vocab_size, shape) if first
                          else torch.randn(*shape, p.cfg.dim, requires_grad=True))  # the residual stream, fp32
-                    out = model(x)
+                    # An autocast region per forward, as train_pp.py puts autocast on the stage's
+                    # forward: each micro-batch in flight keeps its own bf16 copies of the weights.
+                    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        out = model(x)
                     if last:  # the loss of this micro-batch, scaled as the schedule scales it
                         out = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(
                             0, p.cfg.vocab_size, shape).flatten()) / m
@@ -406,14 +407,19 @@ def dry_run_command(p: Plan, args) -> list[str]:
     if p.world < 2:
         raise UserError("--dry-run plays one rank of a multi-rank layout; with --world-size 1 there is none: "
                         "run the step-2 script itself.")
-    if p.strategy in ("single", "pp") or p.pp > 1 or (p.tp > 1 and p.strategy not in ("tp", "2d")):
+    if p.strategy == "single" or (p.pp > 1 and (p.strategy != "pp" or p.tp > 1 or p.dp > 1)) or (
+            p.tp > 1 and p.strategy not in ("tp", "2d")):
         raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
-                        f"fsdp, hsdp, tp, 2d), not {label(p)}; pipelines need their neighbours before the first step.")
+                        f"fsdp, hsdp, tp, 2d, pp), not {label(p)}; for 3-D run step3_multi_gpu/train_3d.py "
+                        f"--fake-world-size yourself.")
     script, extra = {
         "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
         "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]), "fsdp_zero3": ("train_fsdp.py", []),
         "hsdp": ("train_fsdp.py", ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard or p.world)]),
         "tp": ("train_tp.py", []), "2d": ("train_2d.py", ["--tp", str(p.tp)]),
+        # the rank the formulas find fullest (the first, under 1F1B)
+        "pp": ("train_pp.py", ["--schedule", p.schedule, "--microbatches", str(p.microbatches or p.pp),
+                               "--fake-rank", str(worst_rank(p)["rank"])]),
     }[p.strategy]
     if p.sequence_parallel:
         extra.append("--sequence-parallel")

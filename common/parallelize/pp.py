@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
 
 from common.errors import UserError
 from common.measure.theory import stage_layers  # the formulas live in theory.py
@@ -74,17 +75,38 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
 
 def check_no_accum(args):
     """A pipeline's micro-batches already are gradient accumulation (each one's backward adds
-    into the same gradients before one optimizer step): --grad-accum would only repeat it.
-    Nor can a pipeline rank run alone (--fake-world-size): before the first step the stages
-    agree on shapes and on how to infer them, by messages a lone rank never receives
-    (refused before the fake process group exists: nothing to tear down)."""
-    if args.fake_world_size is not None:
-        raise UserError("--fake-world-size: a pipeline rank cannot run alone (its stages agree on shapes with their "
-                        "neighbours before the first step); dry-run train_ddp.py, train_fsdp.py, train_tp.py or "
-                        "train_2d.py, or ask python -m tools.estimate for the pipeline.")
+    into the same gradients before one optimizer step): --grad-accum would only repeat it."""
     if args.grad_accum != 1:
         raise UserError(f"--grad-accum {args.grad_accum}: a pipeline already accumulates gradients over its "
                         f"micro-batches; raise --microbatches instead (now {args.microbatches}).")
+
+
+def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int, micro_batch: int, seq_len: int, device,
+                 logits_dtype: torch.dtype) -> dict:
+    """What a stage receives and sends, given up front (PipelineStage's input_args and
+    output_args) instead of inferred. Without them the stages agree on shapes by messages
+    before the first step, which a dry run's lone rank (--fake-world-size) never receives.
+    The first stage reads token ids; the others receive the residual stream (fp32, as it
+    crosses stages); the last sends nothing on but its logits, split by nobody here."""
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    hidden = torch.zeros(micro_batch, seq_len, cfg.dim, device=device, requires_grad=True)  # its gradient goes back
+    last = stage == n_stages - 1
+    logits = torch.zeros(micro_batch, seq_len, cfg.vocab_size, dtype=logits_dtype, device=device) if last else None
+    return {"input_args": ids if stage == 0 else hidden, "output_args": logits if last else hidden,
+            "input_grads": None if stage == 0 else hidden, "output_grads": None if last else hidden}
+
+
+class LoneStage(PipelineStage):
+    """A dry run's stage (--fake-world-size): its shapes are given (``stage_shapes``), and the
+    warm-up vote by which torch 2.13's stages agree to trust given shapes (messages up and
+    down the pipeline, which a lone rank never receives) is answered here: yes. Torch 2.11
+    has no vote; given shapes are enough there."""
+
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result=None):
+        return torch.ones(1, dtype=torch.int32, device=self.device)
 
 
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0, parallelize=None) -> Transformer:
