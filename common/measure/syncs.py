@@ -44,6 +44,8 @@ def step_begins(step: int | None):
     for counter in _ACTIVE:
         counter._collect_warnings()
         counter.step = "after" if step is None else step
+        if step is not None:
+            counter.steps.append(step)
 
 
 def _caller() -> str:
@@ -135,6 +137,7 @@ class SyncCounter:
         self.by_step: dict = {}  # step (or "before" the first, "after" the last) -> syncs
         self.where: collections.Counter = collections.Counter()
         self.step = "before"
+        self.steps: list[int] = []  # the steps begun, in order
         self._seen = 0  # CUDA warnings already counted
         self._mode = self._warnings = self._records = None
 
@@ -151,9 +154,14 @@ class SyncCounter:
                 self._count(f"{path.relative_to(ROOT)}:{w.lineno}" if ROOT in path.parents else "elsewhere")
         self._seen = len(self._records)
 
-    def per_step(self, steps) -> list[int]:
-        """The counts of these steps (0 where none was counted)."""
-        return [self.by_step.get(s, 0) for s in steps]
+    def per_step(self, steps=None) -> list[int]:
+        """The counts of these steps (default: every step begun), 0 where none was counted."""
+        return [self.by_step.get(s, 0) for s in (self.steps if steps is None else steps)]
+
+    def steady(self) -> list[int]:
+        """The counts of the steps but the first (warm-up) and the last (the training loop
+        reads its last step's numbers at once, on purpose)."""
+        return self.per_step(self.steps[1:-1])
 
     def __enter__(self):
         if self.device.type == "cuda":
