@@ -84,7 +84,8 @@ def _host_by_design() -> bool:
     PyTorch's dispatch plumbing) is one of those."""
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename
-        if name == __file__ or any(f"{os.sep}torch{os.sep}{p}" in name for p in _PLUMBING):
+        if (name == __file__ or frame.name == "__torch_dispatch__"  # another mode (the comm counter's)
+                or any(f"{os.sep}torch{os.sep}{p}" in name for p in _PLUMBING)):
             continue
         return any(part in name for part in _HOST_SIDE)
     return False
