@@ -96,7 +96,7 @@ def script(model: str, batch: int, seq_len: int, device, amp: bool, compile: boo
     return len(rows) / sum(1 / r["tokens_per_s"] for r in rows)  # total tokens over total time
 
 
-def counted(device, loop, *args) -> tuple[float, float]:
+def counted(device, loop, *args) -> tuple[float, int]:
     """(tokens/s, host syncs per steady-state step) of ``loop(*args)``: the most of any step
     but the first and last (the script reads its last step's loss at once, on purpose)."""
     with syncs.SyncCounter(device) as counter:
