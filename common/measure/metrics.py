@@ -143,11 +143,14 @@ class Metrics:
         the last step's are always read at once."""
         tensors = {k: v for k, v in {"loss": loss, **extra}.items() if isinstance(v, torch.Tensor)}
         copy = HostCopy(tensors, self.ctx.device)
-        end = copy.event if copy.event is not None else time.perf_counter()  # the end of this step's work (a CPU has done it by now)
+        # Where this step's work ends: the event after it, or on a CPU, which has done the work, now
+        end = copy.event if copy.event is not None else time.perf_counter()
         mem, mem_source = peak_memory(self.ctx.device)  # the allocator's, kept on the host: no wait
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
-        row = {"step": step, "loss": loss if "loss" in tensors else float(loss), "lr": lr, "step_time_s": None,
-               "tokens_per_s": None, "peak_mem_bytes": mem, "peak_mem_source": mem_source, "traced": traced, **extra}
+        # The tensors' places are kept (for the order of the keys) but not the tensors themselves
+        row = {"step": step, "loss": None if "loss" in tensors else float(loss), "lr": lr, "step_time_s": None,
+               "tokens_per_s": None, "peak_mem_bytes": mem, "peak_mem_source": mem_source, "traced": traced,
+               **{k: None if k in tensors else v for k, v in extra.items()}}
         done = [self._write(*self._pending)] if self._pending else []
         self._pending = (row, copy, end)
         if now or step == self.args.steps - 1:
@@ -164,7 +167,7 @@ class Metrics:
         # both taken at the same point, where the step is logged: on a GPU the device's
         # clock at the events that follow each step's work (so it counts any time the GPU
         # waited for the host), on a CPU the host's clock there.
-        dt = self._t.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - self._t
+        dt = end - self._t if isinstance(end, float) else self._t.elapsed_time(end) / 1e3
         self._t = end
         row["step_time_s"], row["tokens_per_s"] = dt, self.tokens_per_step / dt
         if self.peak:
