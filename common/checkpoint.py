@@ -313,8 +313,14 @@ class Checkpointer:
         # stages keep the full model's layer names), so any split loads into any other.
 
     # ---- called once per step by the training loop ---------------------------------------
-    def end_step(self, step: int, loss: float, grad_norm: float | None = None):
-        """After an optimizer step: stop on a non-finite loss or gradient norm, save, inject a test fault."""
+    def saves_at(self, step: int) -> bool:
+        """Whether ``end_step`` saves a checkpoint after this step."""
+        return bool(self.args.ckpt_every) and ((step + 1) % self.args.ckpt_every == 0 or step == self.args.steps - 1)
+
+    def check_finite(self, step: int, loss: float, grad_norm: float | None = None):
+        """Stop on a non-finite loss or gradient norm (--on-nan stop). The training loop
+        learns a step's numbers one step late, except at a checkpoint step, which is checked
+        before ``end_step`` saves it."""
         if getattr(self.ctx, "fake", False):
             return  # a dry run: its numbers are built from data that never arrived
         if not math.isfinite(loss) and self.args.on_nan == "stop":
@@ -325,8 +331,12 @@ class Checkpointer:
                 and getattr(self.args, "amp", None) != "fp16"):
             raise UserError(f"the gradient norm is {grad_norm} at step {step} (rank {self.ctx.rank}); lower --lr, "
                             f"or pass --on-nan skip to skip such steps.")
-        last = step == self.args.steps - 1
-        if self.args.ckpt_every and ((step + 1) % self.args.ckpt_every == 0 or last):
+
+    def end_step(self, step: int):
+        """After an optimizer step (and its ``check_finite``): save, inject a test fault."""
+        if getattr(self.ctx, "fake", False):
+            return
+        if self.saves_at(step):
             self.save(step)
         if (self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank):
             # A hard crash, as a dying node gives: no cleanup, no exception handling.
@@ -424,7 +434,10 @@ def skip_nonfinite_step(optimizer, ctx, enabled: bool):
     def hook(opt, *_):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        bad = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in local) else 1.0], device=ctx.device)
+        # One verdict on the device, then one wait for it (not one per gradient)
+        finite = (torch.stack([torch.isfinite(g).all() for g in local]).all() if local
+                  else torch.ones((), dtype=torch.bool, device=ctx.device))
+        bad = (~finite).float().reshape(1)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
             ctx.print("non-finite gradients: skipping this step's update")

@@ -162,6 +162,10 @@ class Batches:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def __iter__(self):
+        # In a process that uses the GPU, each batch goes into pinned (page-locked) memory,
+        # from which the GPU copies it by itself: the scripts' .to(device, non_blocking=True)
+        # then returns at once. A copy from ordinary memory makes the host wait for the GPU.
+        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
         while True:
             self.sampler.set_epoch(self.epoch)
             batches = iter(self.loader)
@@ -169,5 +173,5 @@ class Batches:
                 next(batches)
             for batch in batches:
                 self.position += 1
-                yield batch
+                yield [t.pin_memory() for t in batch] if pin else batch
             self.epoch, self.position = self.epoch + 1, 0

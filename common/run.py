@@ -4,7 +4,7 @@
     for step in run.steps():          # a progress bar; starts after the checkpoint with --resume
         with run.step(step):          # memory trace and communication count of this step
             ...forward, backward, optimizer.step()...
-        run.log(step, loss)           # metrics.jsonl, LR schedule, NaN check, checkpoint
+        run.log(step, loss)           # metrics.jsonl (one step late), LR schedule, NaN check, checkpoint
     run.finish(val_loss=...)          # figure, summary.json, predicted vs measured, bytes sent
 
 What it drives, each living in its own module:
@@ -103,16 +103,18 @@ class Run:
             yield
 
     def log(self, step: int, loss, **extra):
-        """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank."""
-        extra = {k: v.item() if hasattr(v, "item") else v for k, v in extra.items()}  # grad_norm: a tensor
+        """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank;
+        tensors (loss, grad_norm) stay on the device: Metrics reads them one step late."""
         # Traced and counted steps run under a dispatch mode, profiled ones under the
         # profiler: all left out of the throughput.
-        self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
-                         or (self.profile.enabled and step in self.profile.steps), **extra)
+        rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
+                                or (self.profile.enabled and step in self.profile.steps),
+                                now=self.ckpt.saves_at(step), **extra)
         if self.scheduler is not None:
             self.scheduler.step()
-        # NaN check (of the loss and the gradient norm), --ckpt-every, --fail-at-step
-        self.ckpt.end_step(step, self.metrics.last_loss, extra.get("grad_norm"))
+        for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
+            self.ckpt.check_finite(row["step"], row["loss"], row.get("grad_norm"))
+        self.ckpt.end_step(step)  # --ckpt-every, --fail-at-step
 
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""

@@ -38,7 +38,10 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                # non_blocking: the copy is queued like a kernel and the host goes on queuing
+                # this step (the batch sits in pinned memory, common/data.py); a plain .to()
+                # would first wait for the GPU to finish the previous step.
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 logits = model(x)  # (batch, seq, vocab)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 # A mixture of experts adds its routers' load-balancing loss (0 for a dense model).

@@ -56,7 +56,7 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 loss = 0.0
                 for xm, ym in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):
                     # Only the forward pass and the loss go under autocast; backward runs each op

@@ -57,7 +57,7 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 # Only the forward pass and the loss go under autocast; backward runs each op
                 # in the dtype its forward used. The weights stay fp32: autocast casts a bf16
                 # copy of each for its matmul (and caches it for the rest of the forward).

@@ -59,7 +59,7 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 # Autocast still runs what is not a converted Linear (attention, the output
                 # layer) in bf16; the Float8Linear layers take its bf16 input and cast it on.
                 with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):

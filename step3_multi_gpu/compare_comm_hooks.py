@@ -53,7 +53,7 @@ def train_with_hook(hook: str, args, ctx, corpus):
     start = args.powersgd_start_iter
     for step in metrics.progress():
         x, y = next(batches)
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         with CommCounter() as comm:  # what DDP sends: gradient all-reduces (and a broadcast of buffers)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()

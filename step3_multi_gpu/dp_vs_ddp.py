@@ -112,7 +112,7 @@ def train_dp(args, n: int) -> dict:
             torch.cuda.reset_peak_memory_stats(i)
         for step in metrics.progress():
             x, y = next(batches)  # the whole global batch, on GPU 0: DP scatters it
-            x, y = x.to(ctx.device), y.to(ctx.device)
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             logits = model(x)  # gathered onto GPU 0
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
@@ -141,7 +141,7 @@ def train_ddp(args) -> None:
         torch.cuda.reset_peak_memory_stats(ctx.device)
         for step in metrics.progress():
             x, y = next(batches)  # this rank's share of the global batch
-            x, y = x.to(ctx.device), y.to(ctx.device)
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()

@@ -81,7 +81,7 @@ def main():
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                     if hasattr(model, "set_requires_gradient_sync"):  # not FSDP-wrapped where dp is 1
                         model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # reduce-scatter once
                     logits = model(x)  # split over the vocabulary along tp

@@ -112,7 +112,7 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 losses = []
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
                 # Each stage holds other layers: their sums of squares add up along the pipeline.

@@ -88,7 +88,7 @@ def main():
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
                     # this rank's tokens: the inputs and their targets at the same positions
-                    x, y = local_tokens(x, ring).to(ctx.device), local_tokens(y, ring).to(ctx.device)
+                    x, y = (local_tokens(t, ring).to(ctx.device, non_blocking=True) for t in (x, y))
                     if args.fsdp:  # reduce-scatter once per optimizer step
                         model.set_requires_gradient_sync(micro == args.grad_accum - 1)
                     # (FSDP's policy computes in bf16 by itself: autocast only without it)

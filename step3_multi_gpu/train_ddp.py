@@ -87,7 +87,7 @@ def main(argv=None):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                     # All-reduce once per optimizer step: the other micro-batches just add
                     # into p.grad (no_sync must cover the forward as well as the backward).
                     last = micro == args.grad_accum - 1

@@ -76,7 +76,7 @@ def main(argv=None):
                 aux_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                     model.set_requires_gradient_sync(micro == args.grad_accum - 1)
                     logits = model(x)  # two all-to-alls per MoE layer
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
@@ -92,7 +92,7 @@ def main(argv=None):
             # router's (its mean over the ranks is the global batch's), with each layer's load.
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm,
                     aux_loss=global_loss(aux_loss, dp_size=ctx.world_size),
-                    tokens_per_expert=[moe.tokens_per_expert.tolist() for moe in moe_layers(model)])
+                    tokens_per_expert=torch.stack([moe.tokens_per_expert for moe in moe_layers(model)]))
 
         run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
 

@@ -101,7 +101,7 @@ def main(argv=None):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                     # Reduce-scatter once per optimizer step. The price: until then every
                     # block keeps its full-size gradient, the 4N bytes sharding saved.
                     model.set_requires_gradient_sync(micro == args.grad_accum - 1)

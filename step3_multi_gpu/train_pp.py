@@ -103,7 +103,7 @@ def main():
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
-                x, y = x.to(ctx.device), y.to(ctx.device)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 losses = []  # filled on the last stage, one loss per micro-batch
                 # The schedule runs forward and backward of every micro-batch in its order.
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)

@@ -79,7 +79,7 @@ def main():
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):  # micro-batches of the same batch on every rank
                     x, y = next(batches)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
+                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                     # autocast casts each rank's weight slices to bf16 for the matmuls (DTensor
                     # runs under it like any tensor); the shards, gradients and AdamW stay fp32.
                     with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):

@@ -502,5 +502,6 @@ def test_throughput_benchmark_prints_both_and_the_overhead(capsys):
     out = capsys.readouterr().out
     assert got["bare_tokens_per_s"] > 0 and got["script_tokens_per_s"] > 0
     assert math.isfinite(got["overhead"]) and got["overhead"] > -0.9
-    for line in ("bare loop", "our script", "overhead", "MFU"):
+    for line in ("bare loop", "our script", "overhead", "MFU", "host syncs"):
         assert line in out, line
+    assert got["bare_syncs_per_step"] == got["script_syncs_per_step"] == 0  # tests/test_syncs.py

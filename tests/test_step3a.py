@@ -55,6 +55,8 @@ def _plan(batch: int, *runs: str) -> dict:
         "fsdp_bf16": ["fsdp", b + ["--ac", "full", "--no-trace-memory"]],
         # train_fsdp.py's old names for --amp bf16 and --ac full
         "bf16_ac": ["fsdp", b + ["--mixed-precision", "--activation-checkpointing"]],
+        # host syncs counted per step (test_ddp_asks_the_device_for_nothing_in_a_steady_step)
+        "ddp_syncs": ["ddp", fp32 + ["--no-trace-memory", "--steps", "6"]],
         "bad_batch": ["ddp", ["--global-batch-size", str(batch + 2)]],
         "bad_accum": ["fsdp", b + ["--grad-accum-steps", "2"]],
         "bad_hsdp": ["fsdp", b + ["--hsdp", "3", "3"]],
@@ -64,7 +66,8 @@ def _plan(batch: int, *runs: str) -> dict:
 
 PLANS = {
     2: _plan(4, "ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp_2x1", "ddp_ac", "fsdp_ac",
-             "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16", "ddp_profile", "fsdp_profile"),
+             "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16", "ddp_profile", "fsdp_profile",
+             "ddp_syncs"),
     3: _plan(6, "ddp", "fsdp_zero3"),
     4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "reference_bf16", "ddp_bf16",
              "zero1_bf16", "fsdp_bf16", "bad_batch", "bad_accum", "bad_hsdp"),
@@ -410,3 +413,11 @@ def test_profile_without_a_step_to_profile_is_one_sentence(tmp_path):
     assert code == 2
     assert err.strip().splitlines()[-1] == ("error: --profile needs a step after the first that is not memory-traced "
                                             "or byte-counted; train longer than --steps 2, or pass --no-trace-memory.")
+
+
+def test_ddp_asks_the_device_for_nothing_in_a_steady_step(job2):
+    """tests/test_syncs.py's claim on 2 DDP ranks, the global loss's all-reduce included: no
+    host sync in steps 1 and 4 (2 and 3 are byte-counted, under a dispatch mode, and left out
+    of the throughput); the last step reads its numbers at once."""
+    per = job2["ddp_syncs"]["syncs"]
+    assert len(per) == 6 and per[1] == per[4] == 0 and per[5] >= 1, per

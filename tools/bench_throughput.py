@@ -12,6 +12,12 @@ The two run in turns in this process (bare, script, bare) and each keeps its bes
 (noise only ever adds time). Printed: tokens/s of each, the script's overhead over the
 bare loop, and MFU (6N + 12 L d T FLOPs a token against the device's dense bf16 peak)
 where the device's peak is known; on a CPU, the ratio only.
+
+Beside them, each loop's host syncs per steady-state step (common/measure/syncs.py): the
+times the host waited for the device. The bare loop has none; a harness that reads the
+loss with .item() every step has one or more, and the GPU idles at each. On a GPU they
+are counted in the timed runs (torch.cuda.set_sync_debug_mode); on a CPU, where the
+counting slows every op, in short extra runs.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 
 from common import ROOT
 from common.errors import UserError, main_guard
+from common.measure import syncs
 from common.measure.metrics import peak_flops
 from common.model import flops_per_token
 from common.model import build_model, get_config  # noqa: E402
@@ -64,8 +71,10 @@ def bare_loop(cfg, batch: int, seq_len: int, device, amp: bool, compile: bool, s
         step()
     _sync(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        syncs.step_begins(i)  # for a SyncCounter, if one is open
         step()
+    syncs.step_begins(None)
     _sync(device)
     return steps * batch * seq_len / (time.perf_counter() - t0)
 
@@ -85,6 +94,14 @@ def script(model: str, batch: int, seq_len: int, device, amp: bool, compile: boo
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = rows[3:]  # as the bare loop: after 3 warm-up steps (compile's among them)
     return len(rows) / sum(1 / r["tokens_per_s"] for r in rows)  # total tokens over total time
+
+
+def counted(device, loop, *args) -> tuple[float, int]:
+    """(tokens/s, host syncs per steady-state step) of ``loop(*args)``: the most of any step
+    but the first and last (the script reads its last step's loss at once, on purpose)."""
+    with syncs.SyncCounter(device) as counter:
+        tps = loop(*args)
+    return tps, max(counter.steady() or counter.per_step())
 
 
 def _sync(device):
@@ -119,23 +136,34 @@ def main(argv=None):
     amp = args.amp == "bf16"
     what = f"{model}, batch {batch} x {seq_len}, {args.amp}{' + compile' if compile else ''}, {device.type}"
     print(f"bench_throughput: {what}, {steps} timed steps each, in turns: bare, script, bare", flush=True)
-    bare = max(bare_loop(cfg, batch, seq_len, device, amp, compile, steps),
-               bare_loop(cfg, batch, seq_len, device, amp, compile, steps))
-    ours = script(model, batch, seq_len, device, amp, compile, steps)
+    if gpu:  # counting costs nothing here: count in the timed runs
+        (b1, bare_syncs), (ours, our_syncs), (b2, _) = (
+            counted(device, bare_loop, cfg, batch, seq_len, device, amp, compile, steps),
+            counted(device, script, model, batch, seq_len, device, amp, compile, steps),
+            counted(device, bare_loop, cfg, batch, seq_len, device, amp, compile, steps))
+        bare = max(b1, b2)
+    else:
+        bare = max(bare_loop(cfg, batch, seq_len, device, amp, compile, steps),
+                   bare_loop(cfg, batch, seq_len, device, amp, compile, steps))
+        ours = script(model, batch, seq_len, device, amp, compile, steps)
+        _, bare_syncs = counted(device, bare_loop, cfg, batch, seq_len, device, amp, False, 3)
+        _, our_syncs = counted(device, script, model, batch, seq_len, device, amp, False, 1)
     overhead = bare / ours - 1
     peak, name = peak_flops(device, args.amp if amp else "fp32")
     per_token = flops_per_token(cfg, seq_len)
     lines = [f"  device          {name}",
              f"  bare loop       {bare:,.0f} tokens/s",
              f"  our script      {ours:,.0f} tokens/s",
-             f"  overhead        {100 * overhead:+.1f}% (the script's step time over the bare loop's, minus 1)"]
+             f"  overhead        {100 * overhead:+.1f}% (the script's step time over the bare loop's, minus 1)",
+             f"  host syncs      bare {bare_syncs}, script {our_syncs} per step (waits for the device, steady state)"]
     if peak:
         lines += [f"  MFU             bare {bare * per_token / peak:.1%}, script {ours * per_token / peak:.1%} "
                   f"({per_token / 1e9:.2f} GFLOP a token against {peak / 1e12:,.0f} TFLOP/s)"]
     else:
         lines += ["  MFU             n/a (no known peak for this device: the ratio above is the number to read)"]
     print("\n".join(lines), flush=True)
-    return {"bare_tokens_per_s": bare, "script_tokens_per_s": ours, "overhead": overhead}
+    return {"bare_tokens_per_s": bare, "script_tokens_per_s": ours, "overhead": overhead,
+            "bare_syncs_per_step": bare_syncs, "script_syncs_per_step": our_syncs}
 
 
 if __name__ == "__main__":

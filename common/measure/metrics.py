@@ -15,7 +15,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from common.measure import syncs
 from common.measure.memory import CATEGORIES, fmt_bytes
+from common.measure.syncs import HostCopy
 from common.model import count_params, flops_per_token
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendor's data sheets. fp32 is the
@@ -71,7 +73,8 @@ class Metrics:
         self.peak, self.device_name = peak_flops(ctx.device, dtype)
         self.rows: list[dict] = []
         self.bar = None
-        self._t = None
+        self._t = None  # the previous step's end (see _write)
+        self._pending = None  # (row, HostCopy, end) of the step whose numbers are not read yet
         self._jsonl = None
 
     def progress(self, start: int = 0):
@@ -92,7 +95,14 @@ class Metrics:
         self.bar = tqdm(range(start, self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
                         unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()
-        return self.bar
+        return self._marked(self.bar)
+
+    @staticmethod
+    def _marked(bar):
+        for step in bar:
+            syncs.step_begins(step)  # for a SyncCounter, if one is open
+            yield step
+        syncs.step_begins(None)
 
     def _read_lines(self, path) -> list[str]:
         """metrics.jsonl's complete lines. A run killed while writing leaves its last line
@@ -114,29 +124,69 @@ class Metrics:
     def _start(self):
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        self._t = time.perf_counter()
+            self._t = torch.cuda.Event(enable_timing=True)
+            self._t.record()
+        else:
+            self._t = time.perf_counter()
 
-    def log(self, step: int, loss: torch.Tensor | float, traced: bool = False, **extra):
-        """Record one optimizer step (call it before the LR scheduler steps).
+    def log(self, step: int, loss: torch.Tensor | float, traced: bool = False, now: bool = False,
+            **extra) -> list[dict]:
+        """Record one optimizer step (call it before the LR scheduler steps); return the rows
+        that became known, in step order.
 
-        ``loss`` must already be the global-batch mean."""
-        # .item() waits for the device, so the step time below is real
-        loss = loss.detach().item() if isinstance(loss, torch.Tensor) else float(loss)
-        dt = time.perf_counter() - self._t
-        mem, mem_source = peak_memory(self.ctx.device)
+        ``loss`` must already be the global-batch mean. One step late: this step's loss (and
+        every tensor in ``extra``, such as grad_norm) is copied to the host without waiting,
+        and the previous step's numbers are read, which waits for the previous step only,
+        while the GPU works on this one. Asking for this step's value now (``.item()``)
+        would leave the GPU idle while the host queues the next step. ``now``: read this
+        step's numbers as well (a checkpoint must not save a step whose loss is not finite);
+        the last step's are always read at once."""
+        tensors = {k: v for k, v in {"loss": loss, **extra}.items() if isinstance(v, torch.Tensor)}
+        copy = HostCopy(tensors, self.ctx.device)
+        # Where this step's work ends: the event after it, or on a CPU, which has done the work, now
+        end = copy.event if copy.event is not None else time.perf_counter()
+        mem, mem_source = peak_memory(self.ctx.device)  # the allocator's, kept on the host: no wait
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
-        row = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt, "peak_mem_bytes": mem,
-               "peak_mem_source": mem_source, "traced": traced, **extra}
+        # The tensors' places are kept (for the order of the keys) but not the tensors themselves
+        row = {"step": step, "loss": None if "loss" in tensors else float(loss), "lr": lr, "step_time_s": None,
+               "tokens_per_s": None, "peak_mem_bytes": mem, "peak_mem_source": mem_source, "traced": traced,
+               **{k: None if k in tensors else v for k, v in extra.items()}}
+        done = [self._write(*self._pending)] if self._pending else []
+        self._pending = (row, copy, end)
+        if now or step == self.args.steps - 1:
+            done.append(self._write(row, copy, end))
+            self._pending = None
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        return done
+
+    def _write(self, row: dict, copy: HostCopy, end) -> dict:
+        """A step's row, once its numbers have reached the host: metrics.jsonl, the bar."""
+        row |= copy.values()
+        # The step time: from the end of the previous step's work to the end of this one's,
+        # both taken at the same point, where the step is logged: on a GPU the device's
+        # clock at the events that follow each step's work (so it counts any time the GPU
+        # waited for the host), on a CPU the host's clock there.
+        dt = end - self._t if isinstance(end, float) else self._t.elapsed_time(end) / 1e3
+        self._t = end
+        row["step_time_s"], row["tokens_per_s"] = dt, self.tokens_per_step / dt
         if self.peak:
             row["mfu"] = self.flops_per_step / dt / (self.peak * self.ctx.world_size)
         self.rows.append(row)
-        self.last_loss = loss
+        self.last_loss = row["loss"]
         if self.ctx.is_main:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
             norm = {"grad_norm": f"{row['grad_norm']:.3f}"} if "grad_norm" in row else {}
-            self.bar.set_postfix(loss=f"{loss:.3f}", **norm, tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
-        self._start()
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", **norm, tok_s=f"{row['tokens_per_s']:,.0f}",
+                                 refresh=False)
+        return row
+
+    def flush(self) -> list[dict]:
+        """The row still waiting for its numbers, if any (a loop left before its last step)."""
+        done = [self._write(*self._pending)] if self._pending else []
+        self._pending = None
+        return done
 
     def throughput(self) -> tuple[float, float]:
         """Mean step time and tokens/s, leaving out the first step (warm-up) and traced steps."""
@@ -146,6 +196,7 @@ class Metrics:
 
     def finish(self, memory: list[dict] | None = None, val_loss: float | None = None, **extra) -> dict | None:
         """Write summary.json and print the end-of-run table (rank 0)."""
+        self.flush()
         if self.bar is not None:
             self.bar.close()
         if not self.ctx.is_main:

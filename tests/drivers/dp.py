@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from common.measure.syncs import SyncCounter  # noqa: E402
 from common.model import Transformer, build_model, get_config  # noqa: E402
 from common.parallelize.fsdp import apply_fsdp  # noqa: E402
 
@@ -93,9 +94,12 @@ def main(out_json: str, plan: str):
     for name, (script, flags) in plan.items():
         out = tmp / name
         start = time.perf_counter()
-        code, err = run(script, COMMON + flags + ["--save-weights"], out)
+        with SyncCounter("cpu") if name.endswith("_syncs") else contextlib.nullcontext() as syncs:
+            code, err = run(script, COMMON + flags + ["--save-weights"], out)
         entry = {"code": code, "stderr": err[-2000:], "seconds": time.perf_counter() - start,
                  "figure": (out / "memory_trace.png").exists()}
+        if syncs is not None:  # host syncs per step (common/measure/syncs.py)
+            entry["syncs"] = syncs.per_step()
         if code == 0 and rank == 0:
             weights = torch.load(out / "weights.pt")
             if name == "reference":  # the fp32 one; reference_bf16 is only compared by its losses
