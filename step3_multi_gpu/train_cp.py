@@ -48,13 +48,15 @@ def main():
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and AdamW state over every rank with FSDP (torchtitan's layout) "
                         "instead of keeping them whole on each")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
     if args.compile:
         raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
                         "receives inside every block's attention, and compiling around that is not tested here; "
                         "drop --compile.")
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cp = cp_degree(ctx.world_size, args.dp)
         cli.check_memory_savers(args, ctx.device, dp_size=args.dp, fp16=False)
         check_cp(args.model_config, cp, args.seq_len, args.load_balance, args.ac)

@@ -37,12 +37,14 @@ def main(argv=None):
     p = cli.parser(__doc__)
     p.set_defaults(model="small-moe")
     cli.add_moe_flags(p)
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel degree: each group of this many ranks splits the experts among them, and "
                         "the groups are copies of each other (default: all the ranks, one group)")
     args = cli.parse(p, argv)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         ep = args.ep or ctx.world_size
         check_ep(args.model_config, args.model, ep, ctx.world_size)  # n_experts / ep experts per rank
@@ -56,7 +58,9 @@ def main(argv=None):
 
         with torch.device("meta"):
             model = Transformer(args.model_config)
-        apply_ep(model, mesh)  # each rank keeps its experts; tokens reach them by all-to-all
+        # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
+        # routing from the other ranks: it assumes an even one)
+        apply_ep(model, mesh, even_routing=ctx.fake)
         apply_ac(model, args.ac, every=args.ac_every)
         # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
         # alone. With --ep below the world size each expert has copies, which average their
