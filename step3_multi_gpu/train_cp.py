@@ -14,6 +14,8 @@ replicated weights are summed over the ranks like DDP's, or, with --fsdp, the we
 sharded over every rank and FSDP's reduce-scatter sums them (--dp N: N data-parallel
 groups of world/N context-parallel ranks). Step 2's savers come along: bf16
 autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
+A dry run (python step3_multi_gpu/train_cp.py --fake-world-size 8 --fake-rank R) plays one
+rank alone: the ring's blocks have fixed sizes, so its memory and bytes are that rank's.
 """
 import argparse
 import os

@@ -10,6 +10,11 @@ that own its experts (dispatch), each rank runs its n_experts / W experts, and a
 all-to-all brings the results home (combine). The training loss adds the router's
 load-balancing loss. Step 2's savers come along (--amp bf16, the default, or off; --ac,
 --compile, --fused-adamw, --grad-accum).
+
+A dry run (python step3_multi_gpu/train_ep.py --fake-world-size 8 --fake-rank R) plays one
+rank alone: the other ranks' routing never arrives, so it assumes an even one (every rank
+sends it as many token slots as it sends that rank; its experts get top_k x its tokens) and
+its all-to-all bytes and expert shapes are those of a rank in a balanced real run.
 """
 import os
 import sys
@@ -61,6 +66,10 @@ def main(argv=None):
         # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
         # routing from the other ranks: it assumes an even one)
         apply_ep(model, mesh, even_routing=ctx.fake)
+        if ctx.fake:
+            ctx.print("dry run: the other ranks' routing never arrives, so this rank assumes an even one (each rank "
+                      "sends it as many token slots as it sends that rank): its all-to-all bytes and expert shapes "
+                      "are a balanced run's.")
         apply_ac(model, args.ac, every=args.ac_every)
         # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
         # alone. With --ep below the world size each expert has copies, which average their
