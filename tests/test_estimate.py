@@ -144,6 +144,45 @@ def test_dry_run_stands_beside_the_formula_and_the_trace(capsys):
     assert formula == measured and "all_gather" in measured
 
 
+@pytest.mark.parametrize("flags,stand_in", [
+    # two data-parallel groups of two context-parallel ranks, FSDP over all four: the fake
+    # trace runs the ring (its sends and receives on the fake process group)
+    (["--model", "debug", "--world-size", "4", "--strategy", "cp_fsdp", "--cp", "2", "--seq-len", "64",
+      "--trace", "--dry-run"], False),
+    # a mixture of experts cannot be fake-traced: --trace runs the dry run instead, and says so
+    (["--model", "debug-moe", "--world-size", "2", "--strategy", "ep", "--seq-len", "32", "--dtype", "fp32",
+      "--trace"], True),
+], ids=["cp_fsdp", "ep"])
+def test_cp_and_ep_dry_runs_are_the_formula(flags, stand_in, capsys, monkeypatch):
+    """--dry-run of train_cp.py (--dp, --fsdp) and train_ep.py: the rank's model state and
+    every collective's bytes equal the formula's exactly (EP's all-to-all at the even routing
+    both assume); CP's activations are the fake trace's within 2%."""
+    import tools.estimate as estimate
+    ran, real = {}, estimate.dry_run
+
+    def dry_run(p, args):  # the estimator's own dry run, kept for the exact bytes
+        ran["plan"], ran["dry"] = p, real(p, args)
+        return ran["dry"]
+
+    monkeypatch.setattr(estimate, "dry_run", dry_run)
+    estimate_main([*flags, "--device", "cpu", "--batch", "4"])
+    out = capsys.readouterr().out
+    print(out)
+    plan, dry = ran["plan"], ran["dry"]
+    want = theory.predict(plan)
+    for c in ("parameters", "gradients", "optimizer state"):
+        assert dry[c] == want[c], c
+    assert dry["comm"] == want["comm"]
+    assert ("the dry run stands in for the trace" in out) == stand_in
+    assert ("it assumes the router spreads the tokens evenly" in out) == stand_in
+    header = next(line for line in out.splitlines() if line.strip().startswith("formula")).split()
+    assert header == ["formula", *([] if stand_in else ["trace", "trace/formula"]), "dry", "run", "dry",
+                      "run/formula"]
+    if not stand_in:
+        row = next(line for line in out.splitlines() if line.startswith("  activations")).split()
+        assert float(row[4]) == pytest.approx(float(row[2]), rel=0.02)  # dry run against trace, MiB
+
+
 BAD = [
     (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by --tp 4 x --pp 1"),
