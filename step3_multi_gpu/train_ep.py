@@ -52,7 +52,7 @@ def main(argv=None):
                      fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         ep = args.ep or ctx.world_size
-        check_ep(args.model_config, args.model, ep, ctx.world_size)  # n_experts / ep experts per rank
+        check_ep(args.model_config, args.model, ep, ctx.world_size, ctx.fake)  # n_experts / ep experts per rank
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
         # The same ranks are data parallel (all of them) and expert parallel (groups of ep).
         mesh = ctx.mesh((ctx.world_size,), ("ep",)) if ep == ctx.world_size else \

@@ -47,8 +47,9 @@ from common.measure.comm import purpose
 from common.model import MoE
 
 
-def check_ep(cfg, model_name: str, ep: int, world: int | None = None) -> None:
-    """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py)."""
+def check_ep(cfg, model_name: str, ep: int, world: int | None = None, dry_run: bool = False) -> None:
+    """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py;
+    ``dry_run``: the ranks are --fake-world-size's, not launched)."""
     if world is not None and not (0 < ep <= world and world % ep == 0):
         raise UserError(f"--ep {ep} does not divide the {world} ranks into groups that each hold every expert; "
                         f"use a divisor of {world}.")
@@ -57,7 +58,8 @@ def check_ep(cfg, model_name: str, ep: int, world: int | None = None) -> None:
                         f"preset (debug-moe, small-moe, 1b-moe).")
     if cfg.n_experts % ep:
         raise UserError(f"the model's {cfg.n_experts} experts do not split evenly over {ep} expert-parallel ranks; "
-                        f"launch a number of ranks that divides {cfg.n_experts}.")
+                        f"{'use a --fake-world-size' if dry_run else 'launch a number of ranks'} that divides "
+                        f"{cfg.n_experts}.")
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
