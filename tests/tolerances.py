@@ -42,13 +42,16 @@ def check_dry_run(dry: dict, real: dict, rank: int, world: int) -> None:
 def dry_runs(runs: list[dict], out, timeout_s: float) -> dict[str, dict]:
     """Run dry runs ({"name", "script", "argv"}, each with its --fake-world-size and
     --fake-rank) one after another in one plain python process (tools/multirun.py: one
-    torch start-up for all); their summaries by name, each written to out/NAME."""
+    torch start-up for all); their summaries by name, each written to out/NAME. Two steps
+    each, the second traced and counted (the first does the one-time work): every step
+    after the first holds and sends the same, so a real run's traced step compares."""
     import json
     import subprocess
     import sys
 
     from common import ROOT
-    runs = [{**r, "argv": [*r["argv"], "--device", "cpu", "--out", str(out / r["name"])]} for r in runs]
+    runs = [{**r, "argv": [*r["argv"], "--steps", "2", "--trace-start", "1", "--trace-steps", "1", "--device", "cpu",
+                           "--out", str(out / r["name"])]} for r in runs]
     p = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout_s)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

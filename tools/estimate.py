@@ -21,7 +21,9 @@ PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads 
 ``--device``, the collectives skipped), two steps, the second traced. Its bytes by category
 are what that rank of a real run holds (tests/test_step3a.py holds dry runs to real ones),
 measured by the device's own allocations rather than derived: the third column beside the
-formula and the fake-tensor trace.
+formula and the fake-tensor trace. Under ``--strategy ep`` the rank assumes an even routing,
+as the formula does (its peers' token counts never arrive), and ``--trace`` runs the dry run
+instead: a fake tensor has no values, and the router's counts decide the MoE layer's shapes.
 
 "Fits" compares the peak with the *usable* memory: what the card reports (an "80 GB"
 H100 reports 81,559 MiB = 79.65 GiB) less a headroom for what no formula here counts:
