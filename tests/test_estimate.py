@@ -61,9 +61,9 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
     ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}), ("2d", 4, {"tp": 2}),
     ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}), ("single", 1, {"ac": "selective"}),
     ("single", 1, {"dtype": "bf16", "ac": "selective"}), ("single", 1, {"dtype": "bf16", "ac": "full"}),
-    ("tp", 2, {"ac": "selective"}),
+    ("tp", 2, {"ac": "selective"}), ("cp", 2, {}),
 ], ids=["single", "ddp", "fsdp", "tp", "2d", "single-ac", "single-bf16", "single-sac", "single-bf16-sac",
-        "single-bf16-ac", "tp-sac"])
+        "single-bf16-ac", "tp-sac", "cp"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
         plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)

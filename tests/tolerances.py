@@ -42,15 +42,15 @@ def check_dry_run(dry: dict, real: dict, rank: int, world: int) -> None:
 def dry_runs(runs: list[dict], out, timeout_s: float) -> dict[str, dict]:
     """Run dry runs ({"name", "script", "argv"}, each with its --fake-world-size and
     --fake-rank) one after another in one plain python process (tools/multirun.py: one
-    torch start-up for all); their summaries by name, each written to out/NAME. Two steps
-    each, the second traced and counted (the first does the one-time work): every step
-    after the first holds and sends the same, so a real run's traced step compares."""
+    torch start-up for all); their summaries by name, each written to out/NAME. Three steps
+    each, the second traced and the third counted, as in the real runs they are held to
+    (the first two do one-time work: DDP rebuilds its buckets in the second)."""
     import json
     import subprocess
     import sys
 
     from common import ROOT
-    runs = [{**r, "argv": [*r["argv"], "--steps", "2", "--trace-start", "1", "--trace-steps", "1", "--device", "cpu",
+    runs = [{**r, "argv": [*r["argv"], "--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--device", "cpu",
                            "--out", str(out / r["name"])]} for r in runs]
     p = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout_s)

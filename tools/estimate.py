@@ -406,11 +406,8 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
                 loss = F.cross_entropy(logits.flatten(0, 1).float() if amp or cp else logits.flatten(0, 1),
                                        y.flatten())
                 loss.backward()
-            if cp and not fsdp:  # train_cp.py's flat all-reduce of the gradients (its buffer is traced)
-                from common.parallelize.cp import all_reduce_grads
-                all_reduce_grads(model)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=p.strategy != "ddp")
+            optimizer.zero_grad(set_to_none=p.strategy not in ("ddp", "cp"))
     return _traced(tracer)
 
 

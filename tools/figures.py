@@ -226,8 +226,9 @@ CHAPTER3_EP = [
 ]
 RUNS += CHAPTER3_EP
 # ---- one rank of a layout bigger than this machine runs: CP 8 and EP 8 as dry runs (their pages'
-# "on one machine" paragraphs); the figures command shows each page the command it ran
-_DRY = ["--steps", "2", "--amp", "off", "--eval-batches", "0", "--trace-start", "1", "--trace-steps", "1"]
+# "on one machine" paragraphs); the figures command shows each page the command it ran. Three
+# steps: the second is traced, the third counted (DDP rebuilds its buckets in the second)
+_DRY = ["--steps", "3", "--amp", "off", "--eval-batches", "0", "--trace-start", "1", "--trace-steps", "1"]
 DRY_CP_EP = {
     "table-03-cp-dry-run": Run("03_cp/dry_cp8", "step3_multi_gpu/train_cp.py", [
         "--model", "small", "--seq-len", "1024", "--global-batch-size", "2", *_DRY, "--fake-world-size", "8"],

@@ -225,21 +225,6 @@ def cp_degree(world: int, dp: int) -> int:
     return world // dp
 
 
-def all_reduce_grads(model: torch.nn.Module, group=None):
-    """Every rank holds the whole model and computed gradients from its tokens (and, through
-    the ring, its keys' and values' share of its group's loss): sum them over ``group``
-    (every rank: other data-parallel groups saw other sequences) in one flat all-reduce,
-    and average (the loss is the mean over all the ranks' tokens)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 @torch.no_grad()
 def cp_evaluate(model, tokens: torch.Tensor, args, device, ring: Ring) -> float | None:
     """training.evaluate, each rank on its slice of the held-out sequences: the mean of the
