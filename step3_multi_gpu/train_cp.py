@@ -10,12 +10,15 @@ times longer fits in the same memory. What it costs: per block, each rank's keys
 travel around the ring once forward and once backward with their gradients, (W-1) + (W-1)
 + W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
 hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
-replicated weights are summed over the ranks like DDP's, or, with --fsdp, the weights are
+replicated weights are averaged over every rank by DDP, or, with --fsdp, the weights are
 sharded over every rank and FSDP's reduce-scatter sums them (--dp N: N data-parallel
 groups of world/N context-parallel ranks). Step 2's savers come along: bf16
 autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
+A dry run (python step3_multi_gpu/train_cp.py --fake-world-size 8 --fake-rank R) plays one
+rank alone: the ring's blocks have fixed sizes, so its memory and bytes are that rank's.
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import cli
 from common.data import Batches, load_corpus
@@ -30,7 +34,9 @@ from common.distributed import distributed
 from common.errors import UserError, main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
-from common.parallelize.cp import all_reduce_grads, apply_cp, check_cp, cp_degree, cp_evaluate, local_tokens
+from common.parallelize.comm_hooks import register_comm_hook
+from common.parallelize.cp import apply_cp, check_cp, cp_degree, cp_evaluate, local_tokens
+from common.parallelize.ddp import ddp_no_buffer_sync
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule, micro_batch_size
@@ -48,13 +54,15 @@ def main():
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and AdamW state over every rank with FSDP (torchtitan's layout) "
                         "instead of keeping them whole on each")
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
     if args.compile:
         raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
                         "receives inside every block's attention, and compiling around that is not tested here; "
                         "drop --compile.")
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cp = cp_degree(ctx.world_size, args.dp)
         cli.check_memory_savers(args, ctx.device, dp_size=args.dp, fp16=False)
         check_cp(args.model_config, cp, args.seq_len, args.load_balance, args.ac)
@@ -69,11 +77,15 @@ def main():
             model = Transformer(args.model_config)
         apply_cp(model, mesh["cp"], load_balance=args.load_balance)
         apply_ac(model, args.ac, every=args.ac_every)  # a recomputed block runs its ring again
+        every_rank = ctx.mesh((ctx.world_size,), ("dp_cp",))  # the weights' group: FSDP's, or DDP's
         if args.fsdp:  # over every rank: each holds 1/world of the model state
-            apply_fsdp(model, ctx.mesh((ctx.world_size,), ("dp_cp",)), param_dtype=args.amp_dtype)
+            apply_fsdp(model, every_rank, param_dtype=args.amp_dtype)
         model.to_empty(device=ctx.device)
         model.init_weights(args.seed)
         ring = model.cp_ring
+        if not args.fsdp:  # whole weights everywhere: DDP averages their gradients over every rank
+            model = DDP(model, device_mesh=every_rank, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+            register_comm_hook(model, "none")  # DDP's own all-reduce (in a dry run: issued, never waited on)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
@@ -89,20 +101,21 @@ def main():
                     x, y = next(batches)
                     # this rank's tokens: the inputs and their targets at the same positions
                     x, y = (local_tokens(t, ring).to(ctx.device, non_blocking=True) for t in (x, y))
-                    if args.fsdp:  # reduce-scatter once per optimizer step
-                        model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-                    # (FSDP's policy computes in bf16 by itself: autocast only without it)
-                    with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off" and not args.fsdp):
-                        logits = model(x)
-                    # the mean over my tokens; the ranks' equal slices average to the batch's mean
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
-                    loss.backward()
+                    last = micro == args.grad_accum - 1  # reduce the gradients once per optimizer step
+                    if args.fsdp:
+                        model.set_requires_gradient_sync(last)
+                    with contextlib.nullcontext() if last or args.fsdp else model.no_sync():
+                        # (FSDP's policy computes in bf16 by itself: autocast only without it)
+                        with torch.autocast(ctx.device.type, dtype=args.amp_dtype,
+                                            enabled=args.amp != "off" and not args.fsdp):
+                            logits = model(x)
+                        # the mean over my tokens; the ranks' equal slices average to the batch's mean
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / args.grad_accum
+                        loss.backward()  # DDP's all-reduce (or FSDP's reduce-scatter) averages over every rank
                     step_loss += loss.detach()
-                if not args.fsdp:  # (FSDP's reduce-scatter has averaged them over every rank)
-                    all_reduce_grads(model)  # the same averaged gradients on every rank
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=args.fsdp)  # (DDP's gradients are views of its buckets)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)
 
         val_loss = cp_evaluate(model, corpus.val, args, ctx.device, ring)

@@ -10,6 +10,11 @@ that own its experts (dispatch), each rank runs its n_experts / W experts, and a
 all-to-all brings the results home (combine). The training loss adds the router's
 load-balancing loss. Step 2's savers come along (--amp bf16, the default, or off; --ac,
 --compile, --fused-adamw, --grad-accum).
+
+A dry run (python step3_multi_gpu/train_ep.py --fake-world-size 8 --fake-rank R) plays one
+rank alone: the other ranks' routing never arrives, so it assumes an even one (every rank
+sends it as many token slots as it sends that rank; its experts get top_k x its tokens) and
+its all-to-all bytes and expert shapes are those of a rank in a balanced real run.
 """
 import os
 import sys
@@ -37,15 +42,17 @@ def main(argv=None):
     p = cli.parser(__doc__)
     p.set_defaults(model="small-moe")
     cli.add_moe_flags(p)
+    cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel degree: each group of this many ranks splits the experts among them, and "
                         "the groups are copies of each other (default: all the ranks, one group)")
     args = cli.parse(p, argv)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
+                     fake_rank=args.fake_rank) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         ep = args.ep or ctx.world_size
-        check_ep(args.model_config, args.model, ep, ctx.world_size)  # n_experts / ep experts per rank
+        check_ep(args.model_config, args.model, ep, ctx.world_size, ctx.fake)  # n_experts / ep experts per rank
         micro_batch_size(args.global_batch_size, ctx.world_size, args.grad_accum)  # splits evenly?
         # The same ranks are data parallel (all of them) and expert parallel (groups of ep).
         mesh = ctx.mesh((ctx.world_size,), ("ep",)) if ep == ctx.world_size else \
@@ -56,7 +63,13 @@ def main(argv=None):
 
         with torch.device("meta"):
             model = Transformer(args.model_config)
-        apply_ep(model, mesh)  # each rank keeps its experts; tokens reach them by all-to-all
+        # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
+        # routing from the other ranks: it assumes an even one)
+        apply_ep(model, mesh, even_routing=ctx.fake)
+        if ctx.fake:
+            ctx.print("dry run: the other ranks' routing never arrives, so this rank assumes an even one (each rank "
+                      "sends it as many token slots as it sends that rank): its all-to-all bytes and expert shapes "
+                      "are a balanced run's.")
         apply_ac(model, args.ac, every=args.ac_every)
         # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
         # alone. With --ep below the world size each expert has copies, which average their

@@ -25,7 +25,7 @@ from common.model import count_params, get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
-from tests.tolerances import check_bf16_parity
+from tests.tolerances import check_bf16_parity, check_dry_run, dry_runs
 
 TIMEOUT_S = 240  # a hang detector: both jobs take about 30 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 3, 4, 32
@@ -167,6 +167,32 @@ def test_memory_is_the_formula_and_activations_fall_with_the_degree(runs, n, nam
         assert m["peak_by_category"]["activations"] == pytest.approx(want["activations"], rel=0.02), m["rank"]
     one = predict(Plan(get_config("debug"), "cp", world=1, batch=BATCH, seq_len=SEQ))["activations"]
     assert want["activations"] < one / n * 1.2  # all but the few per-sequence bytes are 1/(dp x cp)
+
+
+DRY = {"cp2": (2, [0, 1]), "cp4": (4, [3]), "cp2x2_fsdp": (4, [2])}  # traced case -> (world, ranks a dry run plays)
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """The traced cases again, each rank of DRY alone as a dry run (--fake-world-size), one
+    plain python process for all (the weights are not saved: a dry run refuses that)."""
+    cases = {c["name"]: c for cs in CASES.values() for c in cs}
+    return dry_runs([{"name": f"{name}_rank{r}", "script": CP,
+                      "argv": [f for f in cases[name]["flags"] if f != "--save-weights"]
+                      + ["--fake-world-size", str(n), "--fake-rank", str(r)]}
+                     for name, (n, ranks) in DRY.items() for r in ranks], tmp_path_factory.mktemp("cp_dry"), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", sorted(DRY))
+def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, name):
+    """--fake-world-size N --fake-rank R in one process: rank R's memory by category and its
+    ring's bytes (sizes are static: no rank needs another's to size its blocks), exactly
+    those of rank R of the real N-rank run, and the formula's."""
+    n, ranks = DRY[name]
+    for r in ranks:
+        got = dry[f"{name}_rank{r}"]
+        check_dry_run(got, runs[n]["results"][name]["summary"], r, n)
+        assert {k: v["bytes"] for k, v in got["comm"][0].items()} == predict(plan_of(n, name), r)["comm"]
 
 
 def test_bad_sequence_length_is_one_sentence_on_every_rank(runs):

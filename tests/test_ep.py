@@ -27,7 +27,7 @@ from common import ROOT
 from common.measure.theory import Plan, predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
-from tests.tolerances import check_bf16_parity
+from tests.tolerances import check_bf16_parity, dry_runs
 
 TIMEOUT_S = 240  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -170,6 +170,53 @@ def test_memory_and_dense_traffic_as_predicted(runs, n, name):
         # the dense part only: no expert is gathered; copies of experts (--ep 2 of 4) all-reduce theirs
         assert comm[0].get(kind, {}).get("bytes") == p.get(kind), kind
     assert ("all_reduce (expert grads)" in p) == name.endswith("_ep2")
+
+
+DRY = {"ep2": (2, 1), "ep4_ep2": (4, 3)}  # traced case -> (world, the rank a dry run plays)
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """The DRY cases again, one rank each alone as a dry run (--fake-world-size), one plain
+    python process for all (the weights are not saved: a dry run refuses that)."""
+    cases = {c["name"]: c for cs in CASES.values() for c in cs}
+    return dry_runs([{"name": name, "script": EP, "argv": [f for f in cases[name]["flags"] if f != "--save-weights"]
+                      + ["--fake-world-size", str(n), "--fake-rank", str(r)]} for name, (n, r) in DRY.items()],
+                    tmp_path_factory.mktemp("ep_dry"), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", sorted(DRY))
+def test_a_dry_run_assumes_even_routing(runs, dry, name):
+    """A dry run receives no routing from the other ranks and assumes an even one (each
+    rank sends it what it sends that rank). Its model state and every collective that does
+    not depend on the routing equal the real rank's; its all-to-all is the even-routing
+    formula's 4 kT rows exactly. Its activations differ from the real rank's only by the
+    rows the real rank's experts received beyond or short of the mean kT, each of which a
+    layer keeps at most 4 times at dim (arrived, regrouped, the expert's output, restored
+    to arrival order) and 4 times at ffn_dim (the SwiGLU's gate, up, activation, product)."""
+    n, rank = DRY[name]
+    got, real = dry[name], runs[n][name]
+    assert got["dry_run"] == {"rank": rank, "world_size": n}
+    cfg = get_config("debug-moe")
+    (memory,) = got["memory"]
+    assert memory["rank"] == rank
+    real_memory = real["summary"]["memory"][rank]
+    assert memory["before_optimizer"] == real_memory["before_optimizer"]
+    (comm,) = got["comm"]
+    sent = {k: v["bytes"] for k, v in comm.items()}
+    tokens = BATCH // n * SEQ
+    assert sent.pop("all_to_all") == ep_bytes_per_step(cfg, tokens)
+    assert comm["all_to_all"]["calls"] == 4 * cfg.n_layers
+    assert sent == {k: v["bytes"] for k, v in real["summary"]["comm"][rank].items() if k != "all_to_all"}
+    ep = 2 if name.endswith("_ep2") else n
+    if ep == n:  # (with copies of the experts the logged counts are the whole batch's, not one group's)
+        traced = next(row for row in metrics(real) if row["step"] == 1)  # --trace-start 1
+        mine = slice(rank * cfg.n_experts // ep, (rank + 1) * cfg.n_experts // ep)
+        off_mean = sum(abs(sum(layer[mine]) - cfg.top_k * tokens) for layer in traced["tokens_per_expert"])
+        assert off_mean > 0, "the real routing is uneven: the bound below is not trivially 0"
+        bound = off_mean * 4 * (4 * cfg.dim + 4 * cfg.ffn_dim)
+        gap = memory["peak_by_category"]["activations"] - real_memory["peak_by_category"]["activations"]
+        assert abs(gap) <= bound, (gap, bound)
 
 
 @pytest.mark.parametrize("n,name", ERR, ids=[f"{n}ranks-{name}" for n, name in ERR])

@@ -61,9 +61,9 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
     ("single", 1, {}), ("ddp", 2, {}), ("fsdp", 2, {}), ("tp", 2, {}), ("2d", 4, {"tp": 2}),
     ("single", 1, {"ac": "full"}), ("single", 1, {"dtype": "bf16"}), ("single", 1, {"ac": "selective"}),
     ("single", 1, {"dtype": "bf16", "ac": "selective"}), ("single", 1, {"dtype": "bf16", "ac": "full"}),
-    ("tp", 2, {"ac": "selective"}),
+    ("tp", 2, {"ac": "selective"}), ("cp", 2, {}),
 ], ids=["single", "ddp", "fsdp", "tp", "2d", "single-ac", "single-bf16", "single-sac", "single-bf16-sac",
-        "single-bf16-ac", "tp-sac"])
+        "single-bf16-ac", "tp-sac", "cp"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
         plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
@@ -142,6 +142,45 @@ def test_dry_run_stands_beside_the_formula_and_the_trace(capsys):
     measured = dict(kv.rsplit(" ", 2)[0:1] + [" ".join(kv.rsplit(" ", 2)[1:])] for kv in
                     moved.split(": ", 1)[1].split(", "))
     assert formula == measured and "all_gather" in measured
+
+
+@pytest.mark.parametrize("flags,stand_in", [
+    # two data-parallel groups of two context-parallel ranks, FSDP over all four: the fake
+    # trace runs the ring (its sends and receives on the fake process group)
+    (["--model", "debug", "--world-size", "4", "--strategy", "cp_fsdp", "--cp", "2", "--seq-len", "64",
+      "--trace", "--dry-run"], False),
+    # a mixture of experts cannot be fake-traced: --trace runs the dry run instead, and says so
+    (["--model", "debug-moe", "--world-size", "2", "--strategy", "ep", "--seq-len", "32", "--dtype", "fp32",
+      "--trace"], True),
+], ids=["cp_fsdp", "ep"])
+def test_cp_and_ep_dry_runs_are_the_formula(flags, stand_in, capsys, monkeypatch):
+    """--dry-run of train_cp.py (--dp, --fsdp) and train_ep.py: the rank's model state and
+    every collective's bytes equal the formula's exactly (EP's all-to-all at the even routing
+    both assume); CP's activations are the fake trace's within 2%."""
+    import tools.estimate as estimate
+    ran, real = {}, estimate.dry_run
+
+    def dry_run(p, args):  # the estimator's own dry run, kept for the exact bytes
+        ran["plan"], ran["dry"] = p, real(p, args)
+        return ran["dry"]
+
+    monkeypatch.setattr(estimate, "dry_run", dry_run)
+    estimate_main([*flags, "--device", "cpu", "--batch", "4"])
+    out = capsys.readouterr().out
+    print(out)
+    plan, dry = ran["plan"], ran["dry"]
+    want = theory.predict(plan)
+    for c in ("parameters", "gradients", "optimizer state"):
+        assert dry[c] == want[c], c
+    assert dry["comm"] == want["comm"]
+    assert ("the dry run stands in for the trace" in out) == stand_in
+    assert ("it assumes the router spreads the tokens evenly" in out) == stand_in
+    header = next(line for line in out.splitlines() if line.strip().startswith("formula")).split()
+    assert header == ["formula", *([] if stand_in else ["trace", "trace/formula"]), "dry", "run", "dry",
+                      "run/formula"]
+    if not stand_in:
+        row = next(line for line in out.splitlines() if line.startswith("  activations")).split()
+        assert float(row[4]) == pytest.approx(float(row[2]), rel=0.02)  # dry run against trace, MiB
 
 
 BAD = [

@@ -43,7 +43,12 @@ RUN = [
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --amp off --zero1",
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --ac full",
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --amp off --seq-len 1024",
+    # the CP and EP pages' dry runs of one rank of 8 (tools/figures.py writes them into the pages)
+    "python step3_multi_gpu/train_cp.py --model small",
+    "python step3_multi_gpu/train_ep.py --model small-moe",
 ]
+# What a command needs on top of TINY: a mixture of experts, and a batch for its 8 ranks.
+AFTER_TINY = {"python step3_multi_gpu/train_ep.py": ["--model", "debug-moe", "--global-batch-size", "8"]}
 
 
 def readme_commands() -> list[list[str]]:
@@ -137,7 +142,8 @@ def test_readme_commands_run(tmp_path):
         else:
             launch = [sys.executable]
         t = time.perf_counter()
-        p = subprocess.run(launch + [target, *argv, *TINY, *out], cwd=ROOT, env=env, capture_output=True,
+        extra = next((v for k, v in AFTER_TINY.items() if start.startswith(k)), [])
+        p = subprocess.run(launch + [target, *argv, *TINY, *extra, *out], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
         return start, p, time.perf_counter() - t
 

@@ -21,7 +21,9 @@ PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads 
 ``--device``, the collectives skipped), two steps, the second traced. Its bytes by category
 are what that rank of a real run holds (tests/test_step3a.py holds dry runs to real ones),
 measured by the device's own allocations rather than derived: the third column beside the
-formula and the fake-tensor trace.
+formula and the fake-tensor trace. Under ``--strategy ep`` the rank assumes an even routing,
+as the formula does (its peers' token counts never arrive), and ``--trace`` runs the dry run
+instead: a fake tensor has no values, and the router's counts decide the MoE layer's shapes.
 
 "Fits" compares the peak with the *usable* memory: what the card reports (an "80 GB"
 H100 reports 81,559 MiB = 79.65 GiB) less a headroom for what no formula here counts:
@@ -49,7 +51,10 @@ from common.measure.theory import ALIASES, CATEGORIES, ROOT_REDUCE, STRATEGIES, 
 GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
 HEADROOM_GIB = 4.0      # CUDA context + kernels (~1), NCCL buffers (~1-2), allocator fragmentation
-TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp")
+TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp", "cp", "cp_fsdp")
+# What --trace cannot follow under fake tensors, and runs the dry run for instead (saying so).
+DRY_TRACED = {"ep": "a mixture of experts cannot be traced under fake tensors (the router's token counts decide "
+                    "the shapes, and a fake tensor has no values)"}
 # The allocator's peak (torch.cuda.max_memory_allocated, GiB) of the 1b model at batch 4 x 2048 on
 # one NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13, eager), from tools/gpu_check.py's runs 1b_fp32
 # (step1_single_gpu/train.py), 1b_amp (step2_memory/train_amp.py --amp bf16), 1b_amp_sac and
@@ -337,6 +342,10 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
 
 def _mesh(p: Plan):
     from torch.distributed.device_mesh import init_device_mesh
+    if p.strategy in ("cp", "cp_fsdp"):  # train_cp.py's (dp, cp) mesh, and FSDP's over every rank
+        cp = p.cp or p.world
+        return (init_device_mesh("cpu", (p.world // cp, cp), mesh_dim_names=("dp", "cp")),
+                init_device_mesh("cpu", (p.world,), mesh_dim_names=("dp_cp",)))
     if p.strategy in ("tp", "2d"):
         return init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
     if p.strategy == "hsdp":
@@ -352,10 +361,17 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
 
     device = torch.device("cpu")
     model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
+    cp = p.strategy in ("cp", "cp_fsdp")
+    if cp:  # the ring's sends and receives run on the fake process group; its masks are real
+        from common.parallelize.cp import apply_cp
+        mesh, every_rank = mesh
+        apply_cp(model, mesh["cp"])
     if p.ac != "none":
         apply_ac(model, p.ac)
-    fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy == "2d"
-    if p.strategy in ("tp", "2d"):
+    fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy in ("2d", "cp_fsdp")
+    if cp and fsdp:
+        apply_fsdp(model, every_rank, param_dtype=torch.bfloat16 if p.dtype == "bf16" else None)
+    elif p.strategy in ("tp", "2d"):
         from common.parallelize.tp import apply_tp
         apply_tp(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
         if p.dp > 1:
@@ -373,7 +389,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
         trace_fsdp_memory(tracer, model)
     # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy
     amp = p.dtype == "bf16" and not (fsdp and p.strategy != "2d")
-    seqs = p.batch // p.dp
+    seqs = p.batch // (p.world // (p.cp or p.world) if cp else p.dp)
     loss_ctx = contextlib.nullcontext
     if p.strategy in ("tp", "2d"):
         from torch.distributed.tensor.parallel import loss_parallel
@@ -382,13 +398,17 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
         with tracer.record(step):
             x = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
             y = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
+            if cp:  # this rank's slice of every sequence
+                from common.parallelize.cp import local_tokens
+                x, y = local_tokens(x, model.cp_ring), local_tokens(y, model.cp_ring)
             with torch.autocast("cpu", torch.bfloat16, enabled=amp):
                 logits = module(x)
             with loss_ctx():
-                loss = F.cross_entropy(logits.flatten(0, 1).float() if amp else logits.flatten(0, 1), y.flatten())
+                loss = F.cross_entropy(logits.flatten(0, 1).float() if amp or cp else logits.flatten(0, 1),
+                                       y.flatten())
                 loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=p.strategy != "ddp")
+            optimizer.zero_grad(set_to_none=p.strategy not in ("ddp", "cp"))
     return _traced(tracer)
 
 
@@ -410,8 +430,9 @@ def dry_run_command(p: Plan, args) -> list[str]:
     if p.strategy == "single" or (p.pp > 1 and (p.strategy != "pp" or p.tp > 1 or p.dp > 1)) or (
             p.tp > 1 and p.strategy not in ("tp", "2d")):
         raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
-                        f"fsdp, hsdp, tp, 2d, pp), not {label(p)}; for 3-D run step3_multi_gpu/train_3d.py "
-                        f"--fake-world-size yourself.")
+                        f"fsdp, hsdp, tp, 2d, pp, cp, cp_fsdp, ep), not {label(p)}; for 3-D run "
+                        f"step3_multi_gpu/train_3d.py --fake-world-size yourself.")
+    cp_groups = ["--dp", str(p.world // (p.cp or p.world))]
     script, extra = {
         "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
         "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]), "fsdp_zero3": ("train_fsdp.py", []),
@@ -420,6 +441,8 @@ def dry_run_command(p: Plan, args) -> list[str]:
         # the rank the formulas find fullest (the first, under 1F1B)
         "pp": ("train_pp.py", ["--schedule", p.schedule, "--microbatches", str(p.microbatches or p.pp),
                                "--fake-rank", str(worst_rank(p)["rank"])]),
+        "cp": ("train_cp.py", cp_groups), "cp_fsdp": ("train_cp.py", [*cp_groups, "--fsdp"]),
+        "ep": ("train_ep.py", ["--ep", str(p.ep or p.world)]),
     }[p.strategy]
     if p.sequence_parallel:
         extra.append("--sequence-parallel")
@@ -580,7 +603,10 @@ def main(argv=None):
     check_moe_layouts(ps, args.model)
     if len(ps) == 1 and args.strategy != "all":
         traced = None
-        if args.trace:
+        if args.trace and (why := DRY_TRACED.get(ps[0].strategy)):
+            print(f"(--trace: {why}; the dry run stands in for the trace: rank 0 run for real, alone)")
+            args.dry_run = True
+        elif args.trace:
             t0 = time.perf_counter()
             traced = trace(ps[0])
             print(f"(traced rank {traced['rank']} under FakeTensorMode in {time.perf_counter() - t0:.1f} s)")
@@ -589,7 +615,9 @@ def main(argv=None):
             t0 = time.perf_counter()
             dry = dry_run(ps[0], args)
             print(f"(dry run of rank {dry['rank']}: {dry['script']} --fake-world-size {ps[0].world} on "
-                  f"{dry['device_name']} in {time.perf_counter() - t0:.1f} s)")
+                  f"{dry['device_name']} in {time.perf_counter() - t0:.1f} s"
+                  + ("; like the formula, it assumes the router spreads the tokens evenly" if ps[0].strategy == "ep"
+                     else "") + ")")
         print_one(ps[0], args.gpu_mem, args.headroom, traced, dry)
         return
     if args.dry_run:

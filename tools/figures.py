@@ -225,6 +225,19 @@ CHAPTER3_EP = [
         job="4_ranks_ep"),
 ]
 RUNS += CHAPTER3_EP
+# ---- one rank of a layout bigger than this machine runs: CP 8 and EP 8 as dry runs (their pages'
+# "on one machine" paragraphs); the figures command shows each page the command it ran. Three
+# steps: the second is traced, the third counted (DDP rebuilds its buckets in the second)
+_DRY = ["--steps", "3", "--amp", "off", "--eval-batches", "0", "--trace-start", "1", "--trace-steps", "1"]
+DRY_CP_EP = {
+    "table-03-cp-dry-run": Run("03_cp/dry_cp8", "step3_multi_gpu/train_cp.py", [
+        "--model", "small", "--seq-len", "1024", "--global-batch-size", "2", *_DRY, "--fake-world-size", "8"],
+        job="03_cp_dry"),
+    "table-03-ep-dry-run": Run("03_ep/dry_ep8", "step3_multi_gpu/train_ep.py", [
+        "--model", "small-moe", "--seq-len", "128", "--global-batch-size", "8", *_DRY, "--fake-world-size", "8"],
+        job="03_ep_dry"),
+}
+RUNS += list(DRY_CP_EP.values())
 
 
 def run_dir(name: str, suffix: str = "") -> Path:
@@ -393,9 +406,15 @@ def dry_run_table(suffix: str = "") -> dict[str, str]:
         print(f"skipped the dry-run table: {path} is missing", flush=True)
         return {}
     s = json.loads(path.read_text())
+    return {"table-03-dry-run" + suffix: dry_run_md(s, "rank 0 of FSDP over 8, 1b model, batch 8 x 256, bf16")}
+
+
+def dry_run_md(s: dict, head: str) -> str:
+    """A dry run's summary.json as a table: per category and per collective, what theory.py
+    predicts for its rank beside what the rank held and sent; its peak and step time below."""
+    from common.measure.memory import CATEGORIES, fmt_bytes
     (mem,), (pred,) = s["memory"], s["predicted"]["per_rank"]
-    lines = ["| rank 0 of FSDP over 8, 1b model, batch 8 x 256, bf16 | predicted (theory.py) | measured (dry run) |",
-             "|---|---|---|"]
+    lines = [f"| {head} | predicted (theory.py) | measured (dry run) |", "|---|---|---|"]
     for c in CATEGORIES:
         if c in pred:
             lines.append(f"| {c} | {fmt_bytes(pred[c])} | {fmt_bytes(pred[f'measured {c}'])} |")
@@ -406,7 +425,7 @@ def dry_run_table(suffix: str = "") -> dict[str, str]:
     lines += ["", f"Peak of the rank: {fmt_bytes(mem['peak_bytes'])}; {s['step_time_s']:.1f} s a step on "
                   f"{s['device_name']}, in one process. Model state is compared when the optimizer step begins, "
                   f"activations at their peak."]
-    return {"table-03-dry-run" + suffix: "\n".join(lines)}
+    return "\n".join(lines)
 
 
 def _md_table(text: str, header: str) -> list[str]:
@@ -587,6 +606,34 @@ def chapter3_cp(suffix: str = "") -> dict[str, str]:
 
 
 POST_STEPS.append(("03_cp", chapter3_cp))
+
+
+def cp_ep_dry_runs(suffix: str = "", prefix: str = "03_") -> dict[str, str]:
+    """The CP and EP pages' dry-run blocks: the command (a bash block, so the README test
+    runs it) and its rank's bytes beside theory.py's (EP's all-to-all at even routing,
+    which the dry run assumes like the formula)."""
+    blocks = {}
+    for marker, run in DRY_CP_EP.items():
+        if not run.name.startswith(prefix):
+            continue
+        s = summary(run.name, suffix)
+        layout = {"cp": "CP", "ep": "EP"}[s["predicted"]["strategy"]]
+        head = (f"rank {s['dry_run']['rank']} of {layout} over {s['dry_run']['world_size']}, {s['model']} model, "
+                f"batch {s['global_batch_size']} x {s['seq_len']}, {s['dtype']}")
+        blocks[marker + suffix] = (f"```bash\npython {run.script} {' '.join(run.flags)}\n```\n\n"
+                                   + dry_run_md(s, head))
+    return blocks
+
+
+def cp_dry_run(suffix: str = "") -> dict[str, str]:
+    return cp_ep_dry_runs(suffix, "03_cp")
+
+
+def ep_dry_run(suffix: str = "") -> dict[str, str]:
+    return cp_ep_dry_runs(suffix, "03_ep")
+
+
+POST_STEPS += [("03_cp", cp_dry_run), ("03_ep", ep_dry_run)]
 
 def pp_v_memory_table(suffix: str = "") -> dict[str, str]:
     """Per-rank activations of 1F1B, ZBV and DualPipeV, measured beside theory.py's prediction."""

@@ -722,15 +722,15 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
     batch. The prediction of one device (``cp``) or of FSDP over every rank (``cp_fsdp``)
     at (batch / dp) x (seq / cp) tokens a rank, and what differs: the rotary tables are
     copied at this rank's positions (cos and sin: 2 x seq/cp x head_dim in the compute
-    dtype) instead of viewed whole; the ring's bytes; the gradients' all-reduce over every
-    rank (4 bytes a parameter, without FSDP, which reduce-scatters them instead); the transients of one ring step (the key/value block sent and the
-    one received, one block's fp32 scores and probabilities) and of the flat gradient
-    buffer of the all-reduce."""
+    dtype) instead of viewed whole; the ring's bytes; DDP's all-reduce of the gradients over
+    every rank (4 bytes a parameter; its buckets keep the gradients all step, as under
+    ``ddp``), or, with FSDP, its reduce-scatter; the transients of one ring step (the
+    key/value block sent and the one received, one block's fp32 scores and probabilities)."""
     cfg, cp = plan.cfg, plan.cp or plan.world
     dp, local, fsdp = plan.world // cp, plan.seq_len // cp, plan.strategy == "cp_fsdp"
     # the sub-plan whose ranks each see (batch / dp) x (seq / cp) tokens
     out = predict(replace(plan, strategy="fsdp_zero3", batch=plan.batch // dp * plan.world, seq_len=local, cp=None)
-                  if fsdp else replace(plan, strategy="single", world=1, batch=plan.batch // dp, seq_len=local,
+                  if fsdp else replace(plan, strategy="ddp", world=1, batch=plan.batch // dp, seq_len=local,
                                        cp=None), rank if fsdp else 0)
     b = DTYPE_BYTES[plan.dtype]
     seqs = plan.batch // dp // plan.accum
@@ -741,14 +741,12 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
             "ring: one block's scores and probabilities (fp32)": 2 * 4 * seqs * cfg.n_heads * local * local}
     moments = {out["peak_at"]: out["peak"],
                "ring attention (forward)": out["parameters"] + out["optimizer state"] + out["activations"]
+               + (0 if fsdp else out["gradients"])  # DDP's buckets hold the gradients all step
                + sum(ring.values()) + sum(v for k, v in out["transient"].items() if "FSDP" in k)}
     out["transient"] = {**out["transient"], **ring}
     comm = out["comm"] if fsdp else {}
-    if plan.world > 1 and not fsdp:
-        flat = 4 * sum(math.prod(s) for s in param_shapes(cfg).values())
-        out["transient"]["flat gradient buffer (all-reduce)"] = flat
-        moments["gradient all-reduce"] = out["parameters"] + out["gradients"] + out["optimizer state"] + flat
-        comm = {"all_reduce": flat}
+    if plan.world > 1 and not fsdp:  # DDP's buckets: every gradient, once
+        comm = {"all_reduce": 4 * sum(math.prod(s) for s in param_shapes(cfg).values())}
     out["peak_at"] = max(moments, key=moments.get)
     out["peak"] = moments[out["peak_at"]]
     checkpointed = checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every)

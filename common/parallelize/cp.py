@@ -88,10 +88,20 @@ def _visible(ring: Ring, sq: int, src: int, groups: int, device) -> torch.Tensor
     """The causal mask between my queries and rank ``src``'s keys, tiled for the grouped
     query heads: (groups x sq, sk) booleans; None when no query sees any key (skip it)."""
     q_pos, k_pos = ring.positions(sq, ring.rank), ring.positions(sq, src)
-    visible = k_pos[None, :] <= q_pos[:, None]
-    if not visible.any():
+    # a rank's positions rise: some query sees some key iff src's first key is not after my
+    # last query (decided from the layout, not by reading the mask: no wait for the device,
+    # and a fake tensor's trace can take the same branch)
+    if _first_last(ring, sq, src)[0] > _first_last(ring, sq, ring.rank)[1]:
         return None
-    return visible.repeat(groups, 1).to(device)
+    return (k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1).to(device)
+
+
+def _first_last(ring: Ring, local_len: int, rank: int) -> tuple[int, int]:
+    """The first and last global positions rank ``rank`` holds (``positions``, in Python)."""
+    if not ring.load_balance:
+        return rank * local_len, (rank + 1) * local_len - 1
+    n = local_len // 2
+    return rank * n, (2 * ring.size - rank) * n - 1
 
 
 class _RingAttention(torch.autograd.Function):
@@ -213,21 +223,6 @@ def cp_degree(world: int, dp: int) -> int:
         raise UserError(f"--dp {dp} does not divide the {world} ranks into equal context-parallel groups; use a "
                         f"divisor of {world}.")
     return world // dp
-
-
-def all_reduce_grads(model: torch.nn.Module, group=None):
-    """Every rank holds the whole model and computed gradients from its tokens (and, through
-    the ring, its keys' and values' share of its group's loss): sum them over ``group``
-    (every rank: other data-parallel groups saw other sequences) in one flat all-reduce,
-    and average (the loss is the mean over all the ranks' tokens)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 @torch.no_grad()

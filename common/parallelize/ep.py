@@ -17,6 +17,13 @@ counts travel first (a small all-to-all of n_experts integers): each rank then k
 many rows it will receive from every other, the split sizes ``all_to_all_single`` needs.
 Reading them on the host (``tolist``) waits for the device, the price of dropping nothing.
 
+A dry run (one rank alone on the fake process group, ``--fake-world-size``) receives no
+counts: the all-to-all of counts runs, and is counted, but fills nothing in. ``apply_ep(...,
+even_routing=True)`` has the rank assume instead that every rank sends it as many token
+slots as it sends that rank: its experts then receive top_k x its tokens, the mean load,
+which is what theory.ep_comm's formula assumes, so the dry run's shapes and all-to-all
+bytes are those of a rank in a balanced real run.
+
 The experts here are spread over all the data-parallel ranks (EP degree = world size, the
 usual layout inside a node): a rank trains on its own share of the batch like any data-
 parallel rank, and its experts see the tokens of every rank. So an expert's gradient is
@@ -40,8 +47,9 @@ from common.measure.comm import purpose
 from common.model import MoE
 
 
-def check_ep(cfg, model_name: str, ep: int, world: int | None = None) -> None:
-    """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py)."""
+def check_ep(cfg, model_name: str, ep: int, world: int | None = None, dry_run: bool = False) -> None:
+    """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py;
+    ``dry_run``: the ranks are --fake-world-size's, not launched)."""
     if world is not None and not (0 < ep <= world and world % ep == 0):
         raise UserError(f"--ep {ep} does not divide the {world} ranks into groups that each hold every expert; "
                         f"use a divisor of {world}.")
@@ -50,7 +58,8 @@ def check_ep(cfg, model_name: str, ep: int, world: int | None = None) -> None:
                         f"preset (debug-moe, small-moe, 1b-moe).")
     if cfg.n_experts % ep:
         raise UserError(f"the model's {cfg.n_experts} experts do not split evenly over {ep} expert-parallel ranks; "
-                        f"launch a number of ranks that divides {cfg.n_experts}.")
+                        f"{'use a --fake-world-size' if dry_run else 'launch a number of ranks'} that divides "
+                        f"{cfg.n_experts}.")
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -63,13 +72,15 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
     return {p for moe in moe_layers(model) for p in moe.experts.parameters()}
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_ep(model: nn.Module, mesh: DeviceMesh, even_routing: bool = False) -> nn.Module:
     """Split every MoE layer's experts over ``mesh`` and route tokens with all-to-all (call
     it on a meta-device model, before data parallelism wraps the dense part).
 
     ``mesh``: 1-D, the experts split over all the ranks; or 2-D (replicate, ep), the
     experts split over each group of ep ranks and the groups copies of each other, which
-    average their experts' gradients (``reduce_expert_grads``) as DDP would."""
+    average their experts' gradients (``reduce_expert_grads``) as DDP would.
+    ``even_routing``: for a dry run, assume the routing instead of exchanging it (module
+    docstring)."""
     ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
     group, ep, w = ep_mesh.get_group(), ep_mesh.size(), mesh.size()
     if w == 1:
@@ -79,7 +90,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):
             setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, placements)))
-        experts.forward = partial(_dispatch_compute_combine, experts, experts.forward, group, ep, w)
+        experts.forward = partial(_dispatch_compute_combine, experts, experts.forward, group, ep, w,
+                                  even_routing=even_routing)
         moe.global_counts = partial(_sum_counts, group=dist.group.WORLD)  # the whole global batch
     return model
 
@@ -117,7 +129,7 @@ def _mean_over_ranks(experts: nn.Module, w: int) -> None:  # w: all the ranks, w
 
 
 def _dispatch_compute_combine(experts, local_experts, group, w: int, world: int, x: torch.Tensor,
-                              counts: torch.Tensor) -> torch.Tensor:
+                              counts: torch.Tensor, even_routing: bool = False) -> torch.Tensor:
     """x: this rank's token slots grouped by expert (counts[e] for expert e, all n_experts);
     returns the experts' outputs for them, in the same order. ``w``: the ranks of ``group``
     (the expert-parallel degree)."""
@@ -125,6 +137,8 @@ def _dispatch_compute_combine(experts, local_experts, group, w: int, world: int,
     n_local = counts.numel() // w
     with purpose("expert counts"):  # received[r, e]: slots rank r sends to my local expert e
         received = funcol.all_to_all_single(counts, None, None, group).view(w, n_local).clone()
+    if even_routing:  # a dry run: nothing was received; assume rank r sends me what I send it
+        received = counts.view(w, n_local).clone()
     send = counts.view(w, n_local).sum(dim=1).tolist()  # rows to each rank (its experts are consecutive)
     recv = received.sum(dim=1).tolist()
     routed = funcol.all_to_all_single_autograd(x, recv, send, group)  # dispatch
