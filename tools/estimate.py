@@ -18,8 +18,9 @@ PyTorch's own schedule cannot run on fake tensors (its start-up handshake reads 
 
 ``--dry-run`` runs the real thing for one rank: the step-3 script of the layout started with
 ``--fake-world-size`` (plain python, PyTorch's fake process group: real tensors on
-``--device``, the collectives skipped), two steps, the second traced. Its bytes by category
-are what that rank of a real run holds (tests/test_step3a.py holds dry runs to real ones),
+``--device``, the collectives skipped), three steps, the second traced and the third
+byte-counted (the first two do one-time work: DDP rebuilds its buckets in the second). Its
+bytes by category are what that rank of a real run holds (tests/test_step3a.py holds dry runs to real ones),
 measured by the device's own allocations rather than derived: the third column beside the
 formula and the fake-tensor trace. Under ``--strategy ep`` the rank assumes an even routing,
 as the formula does (its peers' token counts never arrive), and ``--trace`` runs the dry run
@@ -450,7 +451,7 @@ def dry_run_command(p: Plan, args) -> list[str]:
     model += ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
     return [f"step3_multi_gpu/{script}", *model, *extra, "--global-batch-size", str(p.batch),
             "--seq-len", str(p.seq_len), "--amp", "off" if p.dtype == "fp32" else "bf16", "--ac", p.ac,
-            "--device", p.device, "--data", "synthetic", "--steps", "2", "--trace-steps", "1",
+            "--device", p.device, "--data", "synthetic", "--steps", "3", "--trace-steps", "1",
             "--eval-batches", "0", "--fake-world-size", str(p.world)]
 
 
