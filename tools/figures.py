@@ -582,8 +582,16 @@ DRY_ESTIMATE = ["--model", "1b", "--vocab-size", "128256", "--world-size", "8", 
                 "--seq-len", "256", "--device", "cpu", "--trace", "--dry-run"]
 
 
-def dry_run_estimate(suffix: str = "") -> dict[str, str]:
-    """will_it_fit.md's block: what ``python -m tools.estimate *DRY_ESTIMATE`` prints."""
+# And the 8b preset (7.0B parameters, 104 GiB of model state) as rank 0 of FSDP over 16, at 32
+# tokens a sequence: about 5 minutes here, most of it the kernel handing out memory for each
+# gathered block (--only dry8b makes it).
+DRY_ESTIMATE_8B = ["--model", "8b", "--world-size", "16", "--strategy", "fsdp", "--batch", "16", "--seq-len", "32",
+                   "--device", "cpu", "--dry-run"]
+DRY_ESTIMATES = {"est-dry-run-1b": DRY_ESTIMATE, "est-dry-run-8b": DRY_ESTIMATE_8B}  # block -> its command
+
+
+def dry_run_estimate(suffix: str = "", marker: str = "est-dry-run-1b") -> dict[str, str]:
+    """will_it_fit.md's block ``marker``: what ``python -m tools.estimate *DRY_ESTIMATES[marker]`` prints."""
     import contextlib
     import io
 
@@ -592,11 +600,12 @@ def dry_run_estimate(suffix: str = "") -> dict[str, str]:
         return {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        estimate(DRY_ESTIMATE)
-    return {"est-dry-run-1b": f"```\n{out.getvalue().strip()}\n```"}
+        estimate(DRY_ESTIMATES[marker])
+    return {marker: f"```\n{out.getvalue().strip()}\n```"}
 
 
 POST_STEPS.append(("dry_estimate", dry_run_estimate))
+POST_STEPS.append(("dry8b", lambda suffix="": dry_run_estimate(suffix, "est-dry-run-8b")))
 
 
 def chapter3_cp(suffix: str = "") -> dict[str, str]:

@@ -611,7 +611,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         else:  # the root stays gathered; a block, and the next one prefetched
             gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
         transient["gathered parameters (FSDP)"] = pbytes * gathered
-        transient["unsharded gradients (FSDP)"] = 4 * 2 * block_n
+        # a block's full gradients in the compute dtype and their fp32 copy in the
+        # reduce-scatter buffer, alive together while FSDP reduces it (see _root_reduce)
+        transient["unsharded gradients (FSDP)"] = (pbytes + 4) * block_n
         if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens):
             out[ROOT_REDUCE] = root
     if plan.ac in ("full", "selective") and n_layers:
