@@ -8,6 +8,8 @@ one sentence, before any rank starts to communicate.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -92,8 +94,11 @@ def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int, micro_batch: int, 
     hidden = torch.zeros(micro_batch, seq_len, cfg.dim, device=device, requires_grad=True)  # its gradient goes back
     last = stage == n_stages - 1
     logits = torch.zeros(micro_batch, seq_len, cfg.vocab_size, dtype=logits_dtype, device=device) if last else None
-    return {"input_args": ids if stage == 0 else hidden, "output_args": logits if last else hidden,
-            "input_grads": None if stage == 0 else hidden, "output_grads": None if last else hidden}
+    shapes = {"input_args": ids if stage == 0 else hidden, "output_args": logits if last else hidden,
+              "input_grads": None if stage == 0 else hidden, "output_grads": None if last else hidden}
+    # torch 2.13 takes the gradients' shapes too; older versions take only the activations'
+    accepted = inspect.signature(PipelineStage.__init__).parameters
+    return {k: v for k, v in shapes.items() if k in accepted}
 
 
 class LoneStage(PipelineStage):
