@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
 
 from common import cli
 from common.data import Batches, load_corpus
@@ -33,7 +32,7 @@ from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   LoneStage, last_stage_rank, pipeline_loss, stage_indices, stage_shapes)
+                                   last_stage_rank, pipeline_loss, pipeline_stages, stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -95,10 +94,9 @@ def main():
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
         # A dry run's rank is told its stages' shapes (train_pp.py): the residual stream crosses
         # in fp32, and FSDP's root hands out fp32 logits.
-        stage = LoneStage if ctx.fake else PipelineStage
-        stages = [stage(m, s, n_stages, ctx.device, group=mesh["pp"].get_group(), **(stage_shapes(
-            args.model_config, s, n_stages, args.global_batch_size // args.dp // args.microbatches, args.seq_len,
-            ctx.device, torch.float32) if ctx.fake else {})) for m, s in zip(models, my_stages)]
+        stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
+                                 args.global_batch_size // args.dp // args.microbatches, args.seq_len, torch.float32,
+                                 group=mesh["pp"].get_group())
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)

@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
 
 from common import cli
 from common.data import Batches, load_corpus
@@ -39,8 +38,7 @@ from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   LoneStage, last_stage_rank, pipeline_loss, stage_indices,
-                                   stage_shapes)
+                                   last_stage_rank, pipeline_loss, pipeline_stages, stage_indices)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
@@ -82,13 +80,10 @@ def main():
             # The schedule, not this script, calls each stage's forward: autocast goes on the
             # forward itself. Activations cross stages in the residual stream's dtype (fp32).
             autocast_forward(m, ctx.device, args.amp_dtype)
-        # A dry run's rank has no neighbours to agree on shapes with: it is told them.
-        if ctx.fake:
-            stages = [LoneStage(m, s, n_stages, ctx.device, **stage_shapes(
-                args.model_config, s, n_stages, args.global_batch_size // args.microbatches, args.seq_len, ctx.device,
-                args.amp_dtype or torch.float32)) for m, s in zip(models, my_stages)]
-        else:
-            stages = [PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(models, my_stages)]
+        # Each stage module wrapped in PyTorch's PipelineStage, which sends and receives between
+        # ranks (a dry run's rank, with no neighbours to agree on shapes with, is told them).
+        stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
+                                 args.global_batch_size // args.microbatches, args.seq_len, args.amp_dtype or torch.float32)
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         optimizer = adamw([p for m in models for p in m.parameters()], args)

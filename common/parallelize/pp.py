@@ -114,6 +114,17 @@ class LoneStage(PipelineStage):
         return torch.ones(1, dtype=torch.int32, device=self.device)
 
 
+def pipeline_stages(models, stage_ids, n_stages: int, ctx, cfg: ModelConfig, micro_batch: int, seq_len: int,
+                    logits_dtype: torch.dtype, group=None) -> list[PipelineStage]:
+    """This rank's PipelineStages. In a dry run (``ctx.fake``) each is a LoneStage, told its
+    shapes (``stage_shapes``: the logits in ``logits_dtype``), since it has no neighbours."""
+    if not ctx.fake:
+        return [PipelineStage(m, s, n_stages, ctx.device, group=group) for m, s in zip(models, stage_ids)]
+    return [LoneStage(m, s, n_stages, ctx.device, group=group,
+                      **stage_shapes(cfg, s, n_stages, micro_batch, seq_len, ctx.device, logits_dtype))
+            for m, s in zip(models, stage_ids)]
+
+
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, device, seed: int = 0, parallelize=None) -> Transformer:
     """The part of the model that pipeline stage ``stage`` owns, with the full model's weights.
 
