@@ -107,6 +107,9 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(step1_runs, tmp_path
     data = next(newest.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])  # truncated, as a full disk leaves it
     before = {p.name: p.stat().st_size for p in newest.iterdir()}
+    # one --out per process: a run holds its --out while it checks, so two runs in one folder race
+    other_batch = tmp_path / "other_batch"
+    shutil.copytree(tmp / "plain", other_batch)
     procs = {
         "truncated": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--steps", "8", "--resume",
                                        "--out", str(broken)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
@@ -115,7 +118,7 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(step1_runs, tmp_path
                                          "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
                                         text=True, stdout=subprocess.DEVNULL),
         "other batch": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--global-batch-size", "8", "--resume",
-                                         "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
+                                         "--out", str(other_batch)], cwd=ROOT, stderr=subprocess.PIPE,
                                         text=True, stdout=subprocess.DEVNULL),
     }
     expected = {"truncated": "step_00000005 cannot be read",
