@@ -304,10 +304,11 @@ def main(argv=None) -> int:
     start, started_at = time.perf_counter(), time.time()
     rows = []
     # One launch per kind: the one-device runs together, step 3 on every GPU (torchrun), and
-    # the dry runs (plain python: torchrun's ranks cannot play a fake layout).
-    launches = [("one", 1, [c for c in checks if not (c.all_gpus or c.fake_world)]),
-                ("all", gpus, [c for c in checks if c.all_gpus]),
-                ("dry", 1, [c for c in checks if c.fake_world])]
+    # the dry runs (plain python: torchrun's ranks cannot play a fake layout), on a GPU in a
+    # launch of their own (with its own time limit), at toy scale after the one-device runs.
+    one, dry = [c for c in checks if not (c.all_gpus or c.fake_world)], [c for c in checks if c.fake_world]
+    launches = [("one", 1, one + dry if args.cpu else one), ("all", gpus, [c for c in checks if c.all_gpus]),
+                ("dry", 1, [] if args.cpu else dry)]
     for key, nproc, group in launches:
         if not group:
             continue
@@ -315,6 +316,8 @@ def main(argv=None) -> int:
               f"{'' if args.cpu or nproc == 1 else 's'}: {', '.join(c.name for c in group)}", flush=True)
         err = launch(group, key, nproc, group[0].all_gpus, args.cpu, device, runs_dir, args.timeout)
         rows += [result_row(c, runs_dir, nproc, err) for c in group]
+    order = [c.name for c in checks]
+    rows.sort(key=lambda r: order.index(r["name"]))  # the report lists the runs as CHECKS does
     report = {"device": name, "gpus": gpus, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "runs": rows, "tests": None}
     if not (args.cpu or args.no_tests):
