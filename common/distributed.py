@@ -208,8 +208,8 @@ def _drop_after_error(backend: str):
     instead: NCCL's kernels are cancelled and the rank exits at once. (gloo's destroy does
     not wait; PyTorch's abort is NCCL-only.)"""
     if backend == "nccl":
-        from torch.distributed.distributed_c10d import _abort_process_group
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # (an older torch without it: destroy, below)
+            from torch.distributed.distributed_c10d import _abort_process_group
             _abort_process_group()
             return
     with contextlib.suppress(Exception):

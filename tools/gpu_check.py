@@ -15,7 +15,7 @@ It writes one report, ``figs/gpu_check_<gpu>.md`` (and ``.json``, which
 (or the error's last line), step time, tokens/s, MFU, and the CUDA allocator's peak against
 the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png``.
 
-    python -m tools.gpu_check                 # everything (about 8 minutes on one H100)
+    python -m tools.gpu_check                 # everything (8 minutes on one H100 before the dry runs)
     python -m tools.gpu_check --no-tests      # the runs only
     python -m tools.gpu_check --only 02       # the runs whose names start with 02
     python -m tools.gpu_check --cpu           # the uncompiled runs at toy scale on the CPU, no
