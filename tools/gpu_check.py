@@ -139,9 +139,8 @@ def flags_of(check: Check, toy: bool, out: Path, device: str) -> list[str]:
 def worker(spec_path: str) -> None:
     """Inside one process (or one torchrun job): each run's main(), its exit code and the
     last line of what it printed to stderr, written to <out>/gpu_check_status.json."""
-    import os
-
     import contextlib
+    import os
 
     import torch
     from common.measure.comm import CommCounter

@@ -186,7 +186,8 @@ class CommCounter(TorchDispatchMode):
 
 
 def _same_device(found: str, expected: str) -> bool:
-    """"cuda:1" is "cuda:1"; "cuda" (no index) matches any GPU, "cpu" only the host."""
+    """Whether a tensor on ``found`` is where ``expected`` says: cuda:1 is cuda:1, and
+    "cuda" without an index matches any GPU."""
     a, b = torch.device(found), torch.device(expected)
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
