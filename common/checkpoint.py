@@ -293,7 +293,7 @@ class Checkpointer:
             self.batches.load_state_dict(meta["data_position"])
         rng = path / f"rng_rank{self.ctx.rank}.pt"
         if rng.exists() and meta["world_size"] == self.ctx.world_size:
-            saved = torch.load(rng, weights_only=False)
+            saved = torch.load(rng, map_location="cpu", weights_only=False)  # RNG states are host tensors
             torch.set_rng_state(saved["cpu"])
             if saved["cuda"] is not None and self.ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(saved["cuda"])
@@ -486,7 +486,7 @@ def export(checkpoint: str, dest: str):
     tmp = dest.with_name(dest.name + ".tmp")
     try:
         dcp_to_torch_save(str(path), str(tmp))
-        full = torch.load(tmp, weights_only=False)
+        full = torch.load(tmp, map_location="cpu", weights_only=False)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint, said plainly
         reason = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"checkpoint {path} cannot be read ({reason}); export an older one.") from None

@@ -78,20 +78,34 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def resolve_device(device: str, local_rank: int, local_world_size: int) -> torch.device:
+def resolve_device(device: str, local_rank: int, local_world_size: int, device_count: int | None = None) -> torch.device:
+    """The device of the rank that is ``local_rank`` of ``local_world_size`` on its node.
+
+    CUDA: GPU ``local_rank`` (never the global rank: on the second node of two, rank 5 is
+    local rank 1, and there is no GPU 5). ``device_count``: the GPUs visible, by default
+    the real count; a test passes one to ask what a rank would choose on a GPU node."""
+    if device_count is None:
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if device_count else "cpu"
     if device == "cuda":
-        if not torch.cuda.is_available():
+        if not device_count:
             raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
-        n = torch.cuda.device_count()
-        if local_world_size > n:
-            raise UserError(f"{local_world_size} ranks per node but only {n} visible GPU(s); NCCL needs one GPU "
-                            f"per rank: use --nproc-per-node {n} or run on CPU with --device cpu.")
+        if local_world_size > device_count:
+            raise UserError(f"{local_world_size} ranks per node but only {device_count} visible GPU(s); NCCL needs "
+                            f"one GPU per rank: use --nproc-per-node {device_count} or run on CPU with --device cpu.")
         return torch.device("cuda", local_rank)
     if device == "cpu":
         return torch.device("cpu")
     raise UserError(f"--device {device!r}: choose auto, cpu or cuda.")
+
+
+def rank_device(device: str = "auto", device_count: int | None = None) -> tuple[int, torch.device]:
+    """(local rank, device) of this process, from what torchrun sets: LOCAL_RANK and
+    LOCAL_WORLD_SIZE (under plain python: 0 of 1)."""
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
+    return local_rank, resolve_device(device, local_rank, local_world, device_count)
 
 
 def _restart_store(timeout: timedelta):
@@ -112,7 +126,7 @@ def _restart_store(timeout: timedelta):
 
 @contextlib.contextmanager
 def distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 300.0,
-                fake_world_size: int | None = None, fake_rank: int = 0):
+                fake_world_size: int | None = None, fake_rank: int = 0, cpu_collectives: bool = False):
     """Set up this process's rank, device and process group; always tear them down.
 
     Yields a ``Dist``. Under plain ``python`` the process group has one rank (an
@@ -125,36 +139,40 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     byte, so the rank builds its real shards, activations and optimizer state (its memory
     is the real rank's), its byte counts are what it would send, and its losses mean
     nothing (what it would have received is never filled in).
+
+    ``cpu_collectives``: on GPUs, give the process group gloo for the collectives of CPU
+    tensors beside NCCL for the GPU's (FSDP's --cpu-offload keeps the gradients on the
+    host, and the global gradient norm reduces them there); NCCL alone refuses them.
     """
     if fake_world_size is not None:
         yield from _dry_run(device, fake_world_size, fake_rank)
         return
     if dist.is_initialized():
-        local_rank = _env_int("LOCAL_RANK", 0)
-        dev = resolve_device(device, local_rank, _env_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        local_rank, dev = rank_device(device)
         yield Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend(),
                    launched="RANK" in os.environ)
         return
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
-    dev = resolve_device(device, local_rank, local_world)
+    local_rank, dev = rank_device(device)  # LOCAL_RANK's GPU, not RANK's: see resolve_device
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise UserError("--backend nccl needs CUDA GPUs; use gloo on CPU.")
     if dev.type == "cuda":
+        # Before anything touches the GPU: otherwise every rank's first CUDA call makes a
+        # context on GPU 0 (about 500 MiB each, and 4 ranks crowding one GPU).
         torch.cuda.set_device(dev)
-    kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # device_id on CPU raises
+    # device_id binds NCCL to this GPU at once (its barrier and the meshes' groups know it);
+    # on a CPU device it raises.
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     if not launched:  # plain python: a process group of one, so meshes and DDP still work
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     elif (store := _restart_store(timedelta(seconds=timeout_s))) is not None:
         kwargs.update(store=store, rank=rank, world_size=world)
     if launched and world > 1:
-        # The flight recorder: each rank's last collectives in a small ring buffer (gloo and
-        # NCCL alike), read when a collective times out to name the rank that is stuck.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        keep_flight_recorder()
+    group_backend = f"cuda:{backend},cpu:gloo" if cpu_collectives and backend == "nccl" else backend
+    dist.init_process_group(group_backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if launched:
         _exit_with_launcher(rank)
         _answer_hang_questions(rank)
@@ -176,7 +194,40 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
             if sys.exc_info()[0] is None:
                 with contextlib.suppress(Exception):
                     dist.barrier()
-            dist.destroy_process_group()
+                dist.destroy_process_group()
+            else:
+                _drop_after_error(backend)
+
+
+def _drop_after_error(backend: str):
+    """The process group of a rank that failed (an out-of-memory error in backward, a check).
+
+    NCCL's destroy_process_group waits for this rank's queued collectives to finish, and
+    they wait for ranks that are themselves waiting for this one: the failed rank would
+    hang until --pg-timeout instead of exiting, and torchrun would not stop the job. Abort
+    instead: NCCL's kernels are cancelled and the rank exits at once. (gloo's destroy does
+    not wait; PyTorch's abort is NCCL-only.)"""
+    if backend == "nccl":
+        with contextlib.suppress(Exception):  # (an older torch without it: destroy, below)
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group()
+            return
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+# The flight recorder's buffer: torch reads TORCH_FR_BUFFER_SIZE first, then its old name,
+# TORCH_NCCL_TRACE_BUFFER_SIZE. PyTorch's own default is 2000 entries (gloo and NCCL alike,
+# recent versions; older ones kept none for gloo).
+FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def keep_flight_recorder(entries: int = 2000):
+    """Each rank's last collectives in a ring buffer (gloo and NCCL alike): read when a
+    collective times out, to name the rank that is stuck. Set only where the person has set
+    neither name: setting the new name would silently override their old-named setting."""
+    if not any(v in os.environ for v in FR_BUFFER_VARS):
+        os.environ[FR_BUFFER_VARS[0]] = str(entries)
 
 
 def _dry_run(device: str, world: int, rank: int):
@@ -240,7 +291,9 @@ def _exit_with_launcher(rank: int, every_s: float = 1.0):
 # A timed-out rank knows only that *it* waited. Every rank keeps its last collectives in the
 # flight recorder (TORCH_FR_BUFFER_SIZE); a small thread per rank waits for a question on
 # torchrun's store and answers with its last one. The rank whose last collective is behind
-# the others' never joined: that is the one to look at.
+# the others' never joined: that is the one to look at. (Under NCCL a timed-out collective
+# raises nothing in Python: NCCL's watchdog ends the process and writes each rank's recorder
+# to a file; step4_multi_node/README.md says how to read those.)
 HANG: dict = {"culprit": ""}
 _answering: set[int] = set()
 
@@ -253,15 +306,20 @@ def _hang_store():
 
 
 def last_collective() -> dict | None:
-    """This rank's newest flight-recorder entry: {seq, op, sizes, done}, or None."""
+    """This rank's newest flight-recorder entry: {seq, op, sizes, done}, or None.
+
+    Two recorders: NCCL writes to its own (``_dump_nccl_trace``, builds with CUDA), every
+    other backend to the generic one (``_dump_fr_trace``, newer torch); a CUDA run reads
+    the first, a gloo run the second. Both are read and the newest entry wins."""
     import pickle
     c10d = torch._C._distributed_c10d
-    # the recorder of every backend (newer torch), else NCCL's own (older builds with CUDA)
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    try:
-        entries = pickle.loads(dump())["entries"]
-    except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
-        return None
+    entries = []
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        dump = getattr(c10d, name, None)
+        try:
+            entries += pickle.loads(dump())["entries"] if dump is not None else []
+        except Exception:  # noqa: BLE001 - no recorder in this build, or nothing recorded
+            continue
     if not entries:
         return None
     e = max(entries, key=lambda e: e.get("collective_seq_id", 0))

@@ -164,12 +164,16 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     """
     from common.measure.comm import purpose  # the byte counts show the norm's traffic apart
 
+    params = list(params)
+    # The sum starts on the parameters' device even where no gradient is there to tell it:
+    # on a CUDA run a host zero would reach pp_group's NCCL all-reduce, which refuses it.
+    device = params[0].device if params else "cpu"
     params = [p for p in params if p.grad is not None]
     groups: dict = {}
     for p in params:  # one group per kind of gradient: plain, or DTensor on a mesh with placements
         key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p)
-    squares = torch.zeros((), device=params[0].device if params else "cpu")
+    squares = torch.zeros((), device=device)
     with purpose("grad norm"):
         for group in groups.values():
             grads = [p.grad.to_local() if local and isinstance(p.grad, DTensor) else p.grad for p in group]

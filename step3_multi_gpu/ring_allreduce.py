@@ -126,9 +126,13 @@ def check(ctx) -> list[dict]:
                     continue
                 x = _input(shape, dtype, ctx.rank, case).to(ctx.device)
                 ring, lib = x.clone(), x.clone()
+                # The library's first: NCCL builds a group's communicator at its first call,
+                # with every member of the group; the ring's first step can leave a rank with
+                # nothing to send or receive (a tensor smaller than the ring), which must not
+                # be the call the others wait in for it.
+                dist.all_reduce(lib, group=group)
                 with CommCounter() as comm:
                     ring_all_reduce(ring, group)
-                dist.all_reduce(lib, group=group)
                 inputs = [_input(shape, dtype, r, case) for r in range(k)]
                 exact = torch.stack([t.double() for t in inputs]).sum(0)
                 ring, lib = ring.cpu(), lib.cpu()

@@ -52,8 +52,10 @@ def main(argv=None):
                    help="float8 matmuls (torchao, step 2d) and float8 all-gather of the weights: NCCL on "
                         "H100-class GPUs only")
     args = cli.parse(p, argv)
+    # --cpu-offload keeps the gradients on the host: their norm is reduced there, which
+    # NCCL cannot do (cpu_collectives: gloo beside it for CPU tensors)
     with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+                     fake_rank=args.fake_rank, cpu_collectives=args.cpu_offload) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         if args.float8:  # FSDP2 all-gathers float8 weights through NCCL only: gloo has no float8 type
             why = float8_unsupported(ctx.device) or (ctx.backend != "nccl" and (

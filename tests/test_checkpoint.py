@@ -244,6 +244,17 @@ def test_two_nodes_on_one_machine_match_step1(jobs):
         _close(jobs.two_nodes[name]["losses"], ref, STEPS, 1e-5)
 
 
+def test_each_rank_of_a_second_node_takes_its_local_gpu(jobs):
+    """On the second "node", ranks 2 and 3 are local ranks 0 and 1: with two GPUs a node they
+    take cuda:0 and cuda:1 (cuda:2 and cuda:3 do not exist there), and nodes of one GPU are
+    refused in one sentence. Asked of the scripts' own device choice, in the real launch."""
+    choices = json.loads((jobs.folder / "devices_4.json").read_text())
+    assert [(c["rank"], c["local_rank"]) for c in choices] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert [c["device"] for c in choices] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert all(c["one_gpu"] == "2 ranks per node but only 1 visible GPU(s); NCCL needs one GPU per rank: use "
+               "--nproc-per-node 1 or run on CPU with --device cpu." for c in choices)
+
+
 def test_killed_and_restarted_runs_continue_exactly(jobs):
     """torchrun --max-restarts: rank 0 (DDP, FSDP in bf16) / rank 1 (FSDP) dies after step 4;
     the job restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit."""

@@ -34,6 +34,49 @@ def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
     assert resolve_device("auto", 0, 1) == torch.device("cpu")
 
 
+def test_ranks_take_their_local_gpu_given_a_gpu_count(monkeypatch):
+    """rank_device reads what torchrun sets: the second node's ranks 4-7 are its local
+    ranks 0-3, and take GPUs 0-3 (tests/test_checkpoint.py asks the same in a real launch
+    of two "nodes")."""
+    from common.distributed import rank_device
+    for rank in range(8):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 4))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert rank_device("cuda", device_count=4) == (rank % 4, torch.device("cuda", rank % 4))
+        assert rank_device("auto", device_count=0) == (rank % 4, torch.device("cpu"))
+    with pytest.raises(UserError, match="4 ranks per node but only 2 visible GPU"):
+        rank_device("auto", device_count=2)
+
+
+def test_the_collective_recorder_names_tensors_off_the_run_device():
+    """CommCounter(expect=device) records the devices of every collective's tensors and names
+    each one handed a tensor elsewhere, with the line that issued it: here a CUDA run's
+    expectation against host tensors, on the fake process group (which, like a dry run on a
+    GPU, takes them without a word where NCCL would refuse)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from common.measure.comm import CommCounter
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with CommCounter(expect="cuda") as cuda_run:
+            dist.all_reduce(torch.zeros(2)); line = sys._getframe().f_lineno  # noqa: E702
+            funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD))
+        with CommCounter(expect="cpu") as cpu_run:
+            dist.broadcast(torch.zeros(3), src=0)
+        with CommCounter(expect="cuda:1") as other_gpu:  # "cuda" alone would match any GPU
+            dist.all_reduce(torch.zeros(2, device="meta"))
+    finally:
+        dist.destroy_process_group()
+    assert dict(cuda_run.devices) == {"all_reduce": {"cpu"}}
+    assert cuda_run.off_device == [f"all_reduce on cpu (tests/test_distributed.py:{line})",
+                                   f"all_reduce on cpu (tests/test_distributed.py:{line + 1})"]
+    assert dict(cpu_run.devices) == {"broadcast": {"cpu"}} and cpu_run.off_device == []
+    assert other_gpu.off_device == [f"all_reduce on meta (tests/test_distributed.py:{line + 5})"]
+
+
 def test_plain_python_is_world_size_one(tmp_path):
     r = subprocess.run([sys.executable, DRIVER, "ok", str(tmp_path / "r")], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

@@ -449,6 +449,39 @@ def test_schedule_simulation_gives_the_bubble_formula(schedule):
                 assert idle == pytest.approx([bubble_formula(schedule, p, m)] * p, abs=1e-12), (p, m, f, b)
 
 
+def test_the_pipeline_timer_reads_cuda_events_once_a_step(monkeypatch):
+    """On CUDA the compute timer records two events around each micro-batch computation and
+    reads them after the step (no wait for the GPU around each one): made-up events with a
+    GPU clock in ms, on this CPU. Each computation's start is the step's host start plus its
+    offset on the GPU clock; busy time is the sum of their lengths."""
+    from types import SimpleNamespace
+
+    from common.measure import pipeline
+    clock = iter([0.0, 2.0, 5.0, 7.0, 11.0])  # ms: the step's origin, F begins/ends, B begins/ends
+
+    class Event:
+        def __init__(self):
+            self.ms = next(clock)
+
+        def elapsed_time(self, later):
+            return later.ms - self.ms
+
+    monkeypatch.setattr(pipeline, "_event", Event)
+    stage = SimpleNamespace(stage_index=1, forward_one_chunk=lambda mb: None,
+                            backward_one_chunk=lambda mb, full_backward=True: None)
+    schedule = SimpleNamespace()
+    schedule.step = lambda: (stage.forward_one_chunk(0), stage.backward_one_chunk(0, full_backward=True))
+    timer = pipeline.ComputeTimer(schedule, [stage], "cuda")
+    timer._sync = lambda: None  # no GPU here
+    schedule.step()
+    took = timer.take()
+    assert took["busy_s"] == pytest.approx((5 - 2 + 11 - 7) / 1e3)
+    start = took["pipeline_start"]
+    (f, b), = timer.timelines.values()
+    assert f[:3] == ["F", 1, 0] and f[3:] == pytest.approx([start + 0.002, start + 0.005])
+    assert b[:3] == ["B", 1, 0] and b[3:] == pytest.approx([start + 0.007, start + 0.011])
+
+
 def test_stage_layers_puts_the_extra_layers_last():
     assert stage_layers(5, 2) == [[0, 1], [2, 3, 4]]
     assert stage_layers(5, 4) == [[0], [1], [2], [3, 4]]

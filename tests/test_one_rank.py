@@ -6,7 +6,8 @@ A learner with one GPU (or a laptop) runs the step-3 scripts as written: plain `
 strategy, and train exactly what step 1 trains. Two launches run side by side: one plain
 python process runs every variant in turn (tools/multirun.py); ``python -m
 tools.gpu_check --cpu`` runs step 1, step 2 and every step-3 script at toy scale, the
-step-3 ones under ``torchrun --nproc-per-node 1`` (as on a one-GPU machine).
+step-3 ones under ``torchrun --nproc-per-node 1`` (as on a one-GPU machine), and each
+step-3 script's dry run of a 4-rank layout with every collective's tensors recorded.
 """
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ RUNS = {
 }
 
 
-GPU_CHECK_STEP3 = ("03_ddp", "03_zero1", "03_fsdp", "03_tp", "03_tp_sp", "03_pp", "03_2d", "03_3d")  # fp32
+GPU_CHECK_STEP3 = ("03_ddp", "03_zero1", "03_fsdp", "03_tp", "03_tp_sp", "03_pp", "03_2d", "03_3d", "03_cp")  # fp32
+# What each dry run of 4 must be seen to send (at least): the recorder saw the strategy's own
+# collectives, on the device of the run.
+DRY4_SENDS = {"ddp": {"all_reduce"}, "fsdp": {"all_gather", "reduce_scatter", "all_reduce (grad norm)"},
+              "tp": {"all_reduce", "all_reduce (grad norm)"}, "pp": {"send", "recv", "broadcast"},
+              "2d": {"all_gather", "reduce_scatter", "all_reduce"}, "3d": {"send", "recv", "reduce_scatter"},
+              "cp": {"send", "recv", "all_reduce"}, "ep": {"all_to_all", "all_to_all (expert counts)"}}
 
 
 def _runs_json(out_dir, names) -> str:
@@ -105,6 +112,15 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     runs = ROOT / "runs" / "gpu_check_cpu"
     for name in GPU_CHECK_STEP3:  # torchrun --nproc-per-node 1, the toy model of 01_baseline
         _same_losses(runs, name, "01_baseline", 3, "gpu_check --cpu, under torchrun")
+    # every step-3 script, also as rank 0 of 4 alone, every collective's tensors on the run's device
+    dry = {r["name"].removeprefix("03_dry4_"): r for r in report["runs"] if r.get("fake_world_size")}
+    assert dry.keys() == DRY4_SENDS.keys() and all(r["fake_world_size"] == 4 for r in dry.values())
+    for name, kinds in DRY4_SENDS.items():
+        seen = dry[name]["collective_devices"]
+        assert kinds <= seen.keys(), (name, seen)
+        assert all(devices == ["cpu"] for devices in seen.values()), (name, seen)
+        summary = json.loads((runs / f"03_dry4_{name}" / "summary.json").read_text())
+        assert summary["dry_run"] == {"rank": 0, "world_size": 4}
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")

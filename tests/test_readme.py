@@ -155,6 +155,34 @@ def test_readme_commands_run(tmp_path):
         print(f"{dt:5.1f} s  {s}")
 
 
+def test_slurm_script_launches_what_torchrun_and_the_script_accept(capsys):
+    """step4_multi_node/train.slurm cannot run here, so it is read: bash's syntax check, then
+    its srun line with Slurm's variables filled in (2 nodes, as its #SBATCH lines ask) must
+    parse with torchrun's own argument parser, as one torchrun per node of --nproc-per-node
+    = the GPUs a node is given, meeting at the head node through the c10d rendezvous; and the
+    script and flags of its usage line, with the ones it adds, must parse with that script."""
+    path = ROOT / "step4_multi_node" / "train.slurm"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+    usage = shlex.split(re.search(r"^#\s+(?:mkdir -p runs && )?sbatch step4_multi_node/train\.slurm (.*)$", text,
+                                  re.M).group(1))
+    srun = re.search(r"^srun .*?(?<!\\)$", text.replace("\\\n", " "), re.M | re.S).group(0)
+    filled = (srun.replace('"$SLURM_JOB_NUM_NODES"', sbatch["nodes"]).replace('"$SLURM_JOB_ID"', "4242")
+              .replace('"$HEAD_NODE:29500"', "node-a:29500").replace('"$SCRIPT"', usage[0])
+              .replace('"$@"', shlex.join(usage[1:])))
+    assert "$" not in filled, f"a shell variable the test does not fill in: {filled}"
+    cmd = shlex.split(filled)
+    launcher, target, argv = split(cmd[cmd.index("torchrun"):])
+    from torch.distributed.run import get_args_parser
+    ns = get_args_parser().parse_args(launcher + [target, *argv])
+    assert sbatch["ntasks-per-node"] == "1"  # one torchrun per node, which starts the ranks
+    assert (ns.nnodes, ns.nproc_per_node) == (sbatch["nodes"], sbatch["gpus-per-node"])
+    assert (ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id) == ("c10d", "node-a:29500", "4242")
+    assert not ns.standalone and ns.max_restarts > 0 and "--resume" in argv
+    assert parse_only(target, argv) == 0, capsys.readouterr().err[-300:]
+
+
 @pytest.fixture
 def synthetic_runs(tmp_path):
     """Two run folders with made-up summaries and 2-rank traces."""

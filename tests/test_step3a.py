@@ -308,6 +308,16 @@ def test_overlap_is_the_communication_time_under_compute():
     o = overlap(iv)
     assert o["comm_s"] == pytest.approx(100e-6) and o["overlapped_s"] == pytest.approx(50e-6)
     assert o["overlapped_fraction"] == pytest.approx(0.5)
+    # A CUDA trace: the GPU's kernels, NCCL's against the others. The host's span of the
+    # collective (its launch, on the CPU's time line) is not communication: counted, it
+    # would look overlapped with the matmul it sits beside.
+    ev = [{"ph": "X", "tid": 1, "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 300},
+          {"ph": "X", "tid": 9, "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 100},
+          {"ph": "X", "tid": 10, "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 80,
+           "dur": 120}]
+    iv = intervals_from_trace(ev, main_tid=1)
+    assert iv == {"compute": [(0, 100)], "comm": [(80, 200)]}
+    assert overlap(iv)["overlapped_fraction"] == pytest.approx(20 / 120)
 
 
 DRY = {"ddp": 1, "zero1": 3, "fsdp_zero3": 2, "hsdp": 3}  # run -> the rank a dry run plays, at 4 ranks

@@ -3,15 +3,19 @@
 On whatever CUDA GPUs are visible it runs every training script at GPU scale (the 125m
 model at 12 x 1024 tokens, and the 1b model at 4 x 2048 where it fits), in bf16 where the
 script has it, eager and compiled; step-3 scripts run with one rank per GPU (one rank on a
-one-GPU machine: NCCL refuses two ranks on one GPU). Then it runs the test suite with the
-GPU visible (the tests train on CPU ranks and must pass there as on a CPU machine).
+one-GPU machine: NCCL refuses two ranks on one GPU). Every step-3 script also runs a dry
+run of a 4-rank layout on the GPU (``--fake-world-size 4``: rank 0 of four, alone, on
+PyTorch's fake process group): the per-rank CUDA code of that layout, everything but the
+real NCCL transfers, with every collective's tensors checked to be on the GPU (the fake
+group would take a CPU tensor that NCCL refuses). Then it runs the test suite with the GPU
+visible (the tests train on CPU ranks and must pass there as on a CPU machine).
 
 It writes one report, ``figs/gpu_check_<gpu>.md`` (and ``.json``, which
 ``python -m tools.figures`` turns into the README's GPU table): per run, whether it ran
 (or the error's last line), step time, tokens/s, MFU, and the CUDA allocator's peak against
 the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png``.
 
-    python -m tools.gpu_check                 # everything (about 8 minutes on one H100)
+    python -m tools.gpu_check                 # everything (8 minutes on one H100 before the dry runs)
     python -m tools.gpu_check --no-tests      # the runs only
     python -m tools.gpu_check --only 02       # the runs whose names start with 02
     python -m tools.gpu_check --cpu           # the uncompiled runs at toy scale on the CPU, no
@@ -42,7 +46,13 @@ SCALES = {
              ["--model", "debug", "--global-batch-size", "4", "--seq-len", "32"]),
     "1b": (["--model", "1b", "--global-batch-size", "4", "--seq-len", "2048"],
            ["--model", "debug", "--global-batch-size", "4", "--seq-len", "64"]),
+    "moe": (["--model", "small-moe", "--global-batch-size", "12", "--seq-len", "1024"],
+            ["--model", "debug-moe", "--global-batch-size", "4", "--seq-len", "32"]),
+    # tensor parallel over 4: the debug model's 2 key/value heads do not split in 4
+    "125m_tp4": (["--model", "125m", "--global-batch-size", "12", "--seq-len", "1024"],
+                 ["--model", "small", "--global-batch-size", "4", "--seq-len", "32"]),
 }
+DRY_WORLD = 4  # the layout each step-3 script's dry run plays: a node of four GPUs
 STEPS = ["--steps", "10", "--trace-start", "3", "--trace-steps", "1", "--eval-batches", "0", "--data", "stdlib"]
 TOY_STEPS = ["--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--eval-batches", "0", "--data", "synthetic"]
 
@@ -55,6 +65,7 @@ class Check:
     scale: str = "125m"
     all_gpus: bool = False           # step 3: one rank per visible GPU, under torchrun
     figure: str | None = None        # figs/<figure>_cuda_<gpu>.png from its memory_trace.png
+    fake_world: int | None = None    # a dry run: rank 0 of this many, alone, in plain python
     toy: bool = True                 # also in --cpu mode (not the compiled runs: Inductor takes a
                                      # minute a model on a small CPU; nor the 1b runs, the same scripts)
 
@@ -91,11 +102,24 @@ CHECKS = [
     # ... and as a GPU user trains: bf16 (each strategy's mechanism), full AC, compiled.
     Check("03_fsdp_bf16_ac", S3 + "train_fsdp.py", ["--amp", "bf16", "--ac", "full"],
           all_gpus=True, figure="03_memory_trace_fsdp_bf16_ac"),
+    Check("03_cp", S3 + "train_cp.py", FP32, all_gpus=True),
+    Check("03_ep", S3 + "train_ep.py", FP32, scale="moe", all_gpus=True),
     *[Check(f"03_{name}_bf16_ac_compile", S3 + script, ["--amp", "bf16", "--ac", "full", "--compile", *extra],
             all_gpus=True, toy=False)
       for name, script, extra in [("ddp", "train_ddp.py", []), ("fsdp", "train_fsdp.py", []), ("tp", "train_tp.py", []),
                                   ("pp", "train_pp.py", ["--schedule", "1f1b", "--microbatches", "4"]),
                                   ("2d", "train_2d.py", [])]],
+    # One rank of each script's 4-rank layout, alone on the one GPU (bf16, as a GPU user runs
+    # them): its shards, its activations, its collectives' tensors, on CUDA.
+    *[Check(f"03_dry{DRY_WORLD}_{name}", S3 + script, extra, scale=scale, fake_world=DRY_WORLD)
+      for name, script, extra, scale in [
+          ("ddp", "train_ddp.py", [], "125m"), ("fsdp", "train_fsdp.py", [], "125m"),
+          ("tp", "train_tp.py", [], "125m_tp4"),
+          ("pp", "train_pp.py", ["--schedule", "1f1b", "--microbatches", str(DRY_WORLD)], "125m"),
+          # 3-D as pipeline x FSDP (TP is 2-D's): the default pp 2 x tp 2 shares a "tp" sub-mesh
+          # with 2-D's, which DTensor's cache mixes up in one process (tools/multirun.py)
+          ("2d", "train_2d.py", [], "125m"), ("3d", "train_3d.py", ["--pp", "2", "--dp", "2", "--tp", "1"], "125m"),
+          ("cp", "train_cp.py", [], "125m"), ("ep", "train_ep.py", [], "moe")]],
 ]
 
 
@@ -107,16 +131,19 @@ def gpu_slug(name: str) -> str:
 
 def flags_of(check: Check, toy: bool, out: Path, device: str) -> list[str]:
     scale = SCALES[check.scale][1 if toy else 0]
-    return [*scale, *(TOY_STEPS if toy else STEPS), *check.flags, "--out", str(out), "--device", device]
+    dry = ["--fake-world-size", str(check.fake_world)] if check.fake_world else []
+    return [*scale, *(TOY_STEPS if toy else STEPS), *check.flags, *dry, "--out", str(out), "--device", device]
 
 
 # ---- the worker: the runs of one launch, one after another, carrying on past failures --------------
 def worker(spec_path: str) -> None:
     """Inside one process (or one torchrun job): each run's main(), its exit code and the
     last line of what it printed to stderr, written to <out>/gpu_check_status.json."""
+    import contextlib
     import os
 
     import torch
+    from common.measure.comm import CommCounter
     from tools.multirun import run_script
 
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -124,14 +151,20 @@ def worker(spec_path: str) -> None:
         if rank0:
             print(f"[gpu_check] start {run['name']}", flush=True)
         t = time.perf_counter()
-        code, err = run_script(run["script"], run["argv"], capture_stderr=True)
+        # A dry run's collectives, every one of the run, recorded with the devices of their
+        # tensors (a dispatch mode slows every op: not for the timed runs).
+        recorder = CommCounter(expect=run["device"]) if run["record_devices"] else contextlib.nullcontext()
+        with recorder:
+            code, err = run_script(run["script"], run["argv"], capture_stderr=True)
         lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]  # not the progress bar
         if rank0:
             out = Path(run["out"])
             out.mkdir(parents=True, exist_ok=True)
+            devices = {k: sorted(v) for k, v in recorder.devices.items()} if run["record_devices"] else None
             (out / "gpu_check_status.json").write_text(json.dumps(
                 {"code": code, "error": lines[-1][:300] if code and lines else None,
-                 "wall_s": time.perf_counter() - t}))
+                 "wall_s": time.perf_counter() - t, "collective_devices": devices,
+                 "off_device": sorted(set(recorder.off_device)) if run["record_devices"] else []}))
             print(f"[gpu_check] done {run['name']} (exit {code})", flush=True)
         torch._dynamo.reset()  # the next run compiles its own model afresh: no recompile limit carried over
         if torch.cuda.is_available():
@@ -139,16 +172,17 @@ def worker(spec_path: str) -> None:
 
 
 # ---- the orchestrator ---------------------------------------------------------------------
-def launch(checks: list[Check], nproc: int, torchrun: bool, toy: bool, device: str, runs_dir: Path,
+def launch(checks: list[Check], key: str, nproc: int, torchrun: bool, toy: bool, device: str, runs_dir: Path,
            timeout_s: float) -> str:
-    spec = [{"name": c.name, "script": c.script, "out": str(runs_dir / c.name),
-             "argv": flags_of(c, toy, runs_dir / c.name, device)} for c in checks]
-    spec_path = runs_dir / f"spec_{nproc}.json"
+    spec = [{"name": c.name, "script": c.script, "out": str(runs_dir / c.name), "device": device,
+             "record_devices": bool(c.fake_world), "argv": flags_of(c, toy, runs_dir / c.name, device)}
+            for c in checks]
+    spec_path = runs_dir / f"spec_{key}.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable] if not torchrun else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  f"--nproc-per-node={nproc}"]
     cmd += [str(Path(__file__).relative_to(ROOT)), "--worker", str(spec_path)]
-    log = runs_dir / f"launch_{nproc}.log"
+    log = runs_dir / f"launch_{key}.log"
     try:
         with open(log, "w") as f:
             subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
@@ -159,13 +193,18 @@ def launch(checks: list[Check], nproc: int, torchrun: bool, toy: bool, device: s
 
 def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> dict:
     out = runs_dir / check.name
-    row = {"name": check.name, "script": check.script, "flags": check.flags, "scale": check.scale, "ranks": nproc}
+    row = {"name": check.name, "script": check.script, "flags": check.flags, "scale": check.scale, "ranks": nproc,
+           "fake_world_size": check.fake_world}
     status = out / "gpu_check_status.json"
     if not status.exists():
         return row | {"ok": False, "error": launch_error or "did not run (the launch stopped before it)"}
     st = json.loads(status.read_text())
     if st["code"] != 0:
         return row | {"ok": False, "error": st["error"] or f"exit code {st['code']}"}
+    row["collective_devices"] = st.get("collective_devices")
+    if st.get("off_device"):  # NCCL would refuse these tensors on a real node
+        return row | {"ok": False, "error": f"collectives handed tensors off the run's device: "
+                                             f"{'; '.join(st['off_device'][:3])}"}
     s = json.loads((out / "summary.json").read_text())
     mem = s.get("memory") or [{}]
     traced = max((m.get("peak_bytes") or 0 for m in mem), default=0) or None
@@ -195,15 +234,20 @@ def markdown(report: dict) -> str:
              "| run | script and flags | ranks | ran | step time | tokens/s | MFU | allocator peak | traced peak | "
              "traced / allocator |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
-        cmd = f"`{' '.join([r['script'], *r['flags']])}` ({'toy' if report['device'] == 'CPU' else r['scale']})"
+        dry = [f"--fake-world-size {r['fake_world_size']}"] if r.get("fake_world_size") else []
+        cmd = f"`{' '.join([r['script'], *r['flags'], *dry])}` ({'toy' if report['device'] == 'CPU' else r['scale']})"
         if not r["ok"]:
-            lines.append(f"| {r['name']} | {cmd} | {r['ranks']} | no: {r['error']} | | | | | | |")
+            who = f"rank 0 of {r['fake_world_size']}, alone" if r.get("fake_world_size") else r["ranks"]
+            lines.append(f"| {r['name']} | {cmd} | {who} | no: {r['error']} | | | | | | |")
             continue
         a, t = r["allocator_peak_bytes"], r["traced_peak_bytes"]
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        # a dry run's rank never waits for a peer: its time is compute alone, not a throughput
+        dry = r.get("fake_world_size")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] and not dry else "-"
         ratio = f"{t / a:.3f}" if a and t else "-"
-        lines.append(f"| {r['name']} | {cmd} | {r['ranks']} | yes | {r['step_time_s'] * 1e3:.1f} ms | "
-                     f"{r['tokens_per_s']:,.0f} | {mfu} | {gib(a)} | {gib(t)} | {ratio} |")
+        tps = "-" if dry else f"{r['tokens_per_s']:,.0f}"
+        lines.append(f"| {r['name']} | {cmd} | {f'rank 0 of {dry}, alone' if dry else r['ranks']} | yes | "
+                     f"{r['step_time_s'] * 1e3:.1f} ms | {tps} | {mfu} | {gib(a)} | {gib(t)} | {ratio} |")
     by = {r["name"]: r for r in report["runs"] if r["ok"]}
     if "02_amp_compile" in by and "02_amp_compile_notrace" in by:
         ratio = by["02_amp_compile"]["step_time_s"] / by["02_amp_compile_notrace"]["step_time_s"]
@@ -258,14 +302,21 @@ def main(argv=None) -> int:
     report_dir.mkdir(parents=True, exist_ok=True)
     start, started_at = time.perf_counter(), time.time()
     rows = []
-    # one launch per number of ranks: the one-device runs together, then step 3 on every GPU
-    for nproc, group in ((1, [c for c in checks if not c.all_gpus]), (gpus, [c for c in checks if c.all_gpus])):
+    # One launch per kind: the one-device runs together, step 3 on every GPU (torchrun), and
+    # the dry runs (plain python: torchrun's ranks cannot play a fake layout), on a GPU in a
+    # launch of their own (with its own time limit), at toy scale after the one-device runs.
+    one, dry = [c for c in checks if not (c.all_gpus or c.fake_world)], [c for c in checks if c.fake_world]
+    launches = [("one", 1, one + dry if args.cpu else one), ("all", gpus, [c for c in checks if c.all_gpus]),
+                ("dry", 1, [] if args.cpu else dry)]
+    for key, nproc, group in launches:
         if not group:
             continue
         print(f"{len(group)} runs on {nproc} {'CPU process' if args.cpu else 'GPU'}{'es' if args.cpu and nproc > 1 else ''}"
               f"{'' if args.cpu or nproc == 1 else 's'}: {', '.join(c.name for c in group)}", flush=True)
-        err = launch(group, nproc, group[0].all_gpus, args.cpu, device, runs_dir, args.timeout)
+        err = launch(group, key, nproc, group[0].all_gpus, args.cpu, device, runs_dir, args.timeout)
         rows += [result_row(c, runs_dir, nproc, err) for c in group]
+    order = [c.name for c in checks]
+    rows.sort(key=lambda r: order.index(r["name"]))  # the report lists the runs as CHECKS does
     report = {"device": name, "gpus": gpus, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "runs": rows, "tests": None}
     if not (args.cpu or args.no_tests):

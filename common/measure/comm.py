@@ -17,6 +17,12 @@ point-to-point and broadcast (the root's cost, an upper bound for the others).
 ``torch.distributed``'s ``CommDebugMode`` counts calls but not bytes and fails under
 pipeline parallelism, hence this small counter.
 
+It also records the device of every tensor each collective is handed (``devices``). NCCL
+takes GPU tensors only: a CPU scalar in a reduction works on gloo and every CPU test, then
+fails on the first GPU node (or, in a dry run on a GPU, passes unnoticed: the fake process
+group takes anything). ``CommCounter(expect=device)`` lists each collective handed a
+tensor elsewhere, with the line of this repository that issued it (``off_device``).
+
 A dispatch mode only sees its own thread, and ``torch.futures`` callbacks run on the
 backend's worker thread without the caller's thread-local state. DDP communication hooks
 such as PowerSGD issue collectives from such callbacks, so while a counter is open the
@@ -113,26 +119,40 @@ def sent_per_step(comm: dict) -> tuple[float, float]:
     return sum(v["bytes"] for v in keep), sum(v["wire_bytes"] for v in keep)
 
 
-class CommCounter(TorchDispatchMode):
-    """``with CommCounter() as comm: ...`` then ``comm.bytes`` = {collective: logical bytes}."""
+def _devices(obj) -> set[str]:
+    return {str(t.device) for t in tree_leaves(obj) if isinstance(t, torch.Tensor)}
 
-    def __init__(self):
+
+class CommCounter(TorchDispatchMode):
+    """``with CommCounter() as comm: ...`` then ``comm.bytes`` = {collective: logical bytes}
+    and ``comm.devices`` = {collective: the devices of the tensors it was handed}.
+    ``expect``: the run's device; ``comm.off_device`` then lists every collective handed a
+    tensor on another device, as "kind on device (file:line)"."""
+
+    def __init__(self, expect: torch.device | str | None = None):
         super().__init__()
+        self.expect = None if expect is None else str(torch.device(expect))
         self.reset()
 
     def reset(self):
         self.bytes: dict[str, int] = defaultdict(int)
         self.wire: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.devices: dict[str, set[str]] = defaultdict(set)
+        self.off_device: list[str] = []
 
-    def _record(self, kind: str, size: int, n: int):
+    def _record(self, kind: str, size: int, n: int, devices: set[str] = frozenset()):
         ring = RING_FACTOR.get(kind, lambda _: 1.0)(n)
         if getattr(_PURPOSE, "name", None):
             kind = f"{kind} ({_PURPOSE.name})"
+        off = sorted(d for d in devices if self.expect is not None and not _same_device(d, self.expect))
+        where = _caller() if off else ""
         with _LOCK:  # callbacks on other threads record too
             self.bytes[kind] += size
             self.wire[kind] += size * ring
             self.calls[kind] += 1
+            self.devices[kind] |= devices
+            self.off_device += [f"{kind} on {d} ({where})" for d in off]
 
     def __enter__(self):
         self._other_threads = _OtherThreads(self)
@@ -156,13 +176,32 @@ class CommCounter(TorchDispatchMode):
                 size = _nbytes(out[0] if isinstance(out, tuple) and name.endswith("_out") else out)
             else:
                 size = _nbytes(args[where])
-            self._record(kind, size, _group_size(list(args) + list(kwargs.values())))
+            self._record(kind, size, _group_size(list(args) + list(kwargs.values())), _devices((args, kwargs)))
         return out
 
     def summary(self, per: int = 1) -> dict:
         """Per-collective {'calls', 'bytes', 'wire_bytes'}, divided by ``per`` (e.g. steps)."""
         return {k: {"calls": self.calls[k] / per, "bytes": self.bytes[k] / per, "wire_bytes": self.wire[k] / per}
                 for k in sorted(self.bytes)}
+
+
+def _same_device(found: str, expected: str) -> bool:
+    """Whether a tensor on ``found`` is where ``expected`` says: cuda:1 is cuda:1, and
+    "cuda" without an index matches any GPU."""
+    a, b = torch.device(found), torch.device(expected)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _caller() -> str:
+    """The innermost line of this repository outside this file: who issued the collective."""
+    import traceback
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if root in path.parents and path.name != "comm.py":
+            return f"{path.relative_to(root)}:{frame.lineno}"
+    return "elsewhere"
 
 
 # torch.distributed function -> (collective, the argument holding its logical size), for
@@ -245,7 +284,8 @@ class _OtherThreads:
             finally:
                 self.inside.depth = 0
             group = bound.get("group")
-            self.counter._record(kind, _nbytes(bound.get(arg)), _group_size([group] if group is not None else []))
+            self.counter._record(kind, _nbytes(bound.get(arg)), _group_size([group] if group is not None else []),
+                                 _devices([v for k, v in bound.items() if k != "group"]))
             return out
 
         return wrapper

@@ -16,25 +16,34 @@ class ComputeTimer:
     Wraps the stage methods every ``torch.distributed.pipelining`` schedule calls, and the
     schedule's ``step``. The bubble is the rest of the pipeline's step: waiting for the
     neighbours. Wall-clock timestamps (``time.time()``) let ``bubble_report`` line the
-    ranks up on one shared time axis (the ranks of one machine share its clock).
+    ranks up on one shared time axis (the ranks of one machine share its clock; across
+    machines, only as well as their clocks agree).
+
+    A GPU runs asynchronously: the host's clock around a computation would time its
+    launches. On CUDA each computation is timed by two events on the GPU's stream, read
+    once the step is over; the host waits for the GPU only at the step's two ends, not
+    around every micro-batch (which would stop the host from queueing ahead and the
+    transfers from overlapping the next computation: a slower pipeline than the real one).
     """
 
     def __init__(self, schedule, stages, device):
         self.busy_s, self.start, self.end = 0.0, None, None
-        # A GPU runs asynchronously: wait for it around each timed piece, or the host's
-        # clock measures kernel launches rather than kernels. (That wait removes a little
-        # overlap of communication with compute, so the GPU bubble is slightly overstated.)
-        self._sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+        self.cuda = torch.device(device).type == "cuda"
+        self._sync = (lambda: torch.cuda.synchronize(device)) if self.cuda else (lambda: None)
+        self._pending: list = []  # CUDA: this step's [kind, stage, micro-batch, start event, end event]
         step = schedule.step
 
         def timed_step(*args, **kwargs):
             self._sync()
             self.start = time.time()
+            if self.cuda:
+                self._origin = _event()
             try:
                 return step(*args, **kwargs)
             finally:
                 self._sync()
                 self.end = time.time()
+                self._read_events()
         schedule.step = timed_step
         self.actions: list[list] = []  # this step's [kind, stage, micro-batch, start, end]
         self.timelines: dict[float, list[list]] = {}  # every step's, by its pipeline_start
@@ -51,16 +60,30 @@ class ComputeTimer:
             kind = "F" if name == "forward_one_chunk" else "W" if name == "backward_weight_one_chunk" else \
                 "B" if kwargs.get("full_backward", True) else "I"
             mb = args[0] if args else kwargs.get("bwd_chunk_id", kwargs.get("fwd_chunk_id"))
-            self._sync()
+            if self.cuda:
+                begin = _event()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._pending.append([kind, stage_index, mb, begin, _event()])
             t, wall = time.perf_counter(), time.time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._sync()
                 elapsed = time.perf_counter() - t
                 self.busy_s += elapsed
                 self.actions.append([kind, stage_index, mb, wall, wall + elapsed])
         return run
+
+    def _read_events(self):
+        """CUDA, after the step's closing wait: each computation's start (from the step's own
+        start) and length, by the GPU's clock, placed on the host's."""
+        for kind, stage_index, mb, begin, end in self._pending:
+            start = self.start + self._origin.elapsed_time(begin) / 1e3
+            elapsed = begin.elapsed_time(end) / 1e3
+            self.busy_s += elapsed
+            self.actions.append([kind, stage_index, mb, start, start + elapsed])
+        self._pending = []
 
     def take(self) -> dict[str, float]:
         """This step's compute seconds and the schedule step's start and end timestamps (its
@@ -69,6 +92,13 @@ class ComputeTimer:
         self.timelines[self.start] = self.actions
         self.busy_s, self.actions = 0.0, []
         return out
+
+
+def _event():
+    """A timing event recorded now on the current CUDA stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _median(xs: list[float]) -> float:

@@ -70,11 +70,14 @@ def _intersection(xs, ys) -> list[tuple[float, float]]:
 def intervals_from_trace(events: list[dict], main_tid) -> dict:
     """Compute and communication intervals (µs, unions) from a Chrome trace's events."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith(_COMM_PREFIXES)]
     kernels = [e for e in spans if e.get("cat") == "kernel"]
-    if kernels:  # CUDA: what the GPU ran
+    if kernels:  # CUDA: what the GPU ran, NCCL's kernels against the others. Not the host's
+        # "nccl:all_reduce" spans: those time the launch on the CPU, beside the GPU's work,
+        # and counted as communication they would look overlapped with every kernel.
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["name"].startswith(_COMM_PREFIXES)]
         compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not e["name"].startswith(_COMM_PREFIXES)]
     else:  # CPU: the training thread's ops, but not its waits on (or launches of) collectives
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith(_COMM_PREFIXES)]
         ops = sorted((e for e in spans if e.get("tid") == main_tid and e.get("cat") == "cpu_op"
                       and not e["name"].startswith(("c10d::", "record_param_comms", *_COMM_PREFIXES))),
                      key=lambda e: e["ts"])

@@ -66,9 +66,18 @@ class Ring:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        # The positions, copied once to the device they are used on (a few integers each):
+        # copied at every use, each copy from pageable host memory would make the host wait
+        # for the GPU, in every layer and ring step, forward and backward.
+        self._on_device: dict = {}
 
-    def positions(self, local_len: int, rank: int) -> torch.Tensor:
-        return positions(local_len * self.size, self.size, rank, self.load_balance)
+    def positions(self, local_len: int, rank: int, device=None) -> torch.Tensor:
+        if device is None:
+            return positions(local_len * self.size, self.size, rank, self.load_balance)
+        key = (local_len, rank, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = self.positions(local_len, rank).to(device)
+        return self._on_device[key]
 
     def start_pass(self, t: torch.Tensor):
         """Send ``t`` to the next rank and receive the previous rank's into a new buffer,
@@ -87,13 +96,15 @@ def _wait(reqs):
 def _visible(ring: Ring, sq: int, src: int, groups: int, device) -> torch.Tensor | None:
     """The causal mask between my queries and rank ``src``'s keys, tiled for the grouped
     query heads: (groups x sq, sk) booleans; None when no query sees any key (skip it)."""
-    q_pos, k_pos = ring.positions(sq, ring.rank), ring.positions(sq, src)
     # a rank's positions rise: some query sees some key iff src's first key is not after my
     # last query (decided from the layout, not by reading the mask: no wait for the device,
     # and a fake tensor's trace can take the same branch)
     if _first_last(ring, sq, src)[0] > _first_last(ring, sq, ring.rank)[1]:
         return None
-    return (k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1).to(device)
+    # built on the device from the positions already there (the mask itself is not kept: at
+    # a long sequence it is large, and the memory figures would count it)
+    q_pos, k_pos = ring.positions(sq, ring.rank, device), ring.positions(sq, src, device)
+    return (k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1)
 
 
 def _first_last(ring: Ring, local_len: int, rank: int) -> tuple[int, int]:
@@ -204,7 +215,7 @@ def apply_cp(model: Transformer, cp_mesh, load_balance: bool = True) -> Transfor
 
     def rope_for(h):  # h: (batch, this rank's tokens, dim)
         cos, sin = whole(h)
-        mine = ring.positions(h.shape[1], ring.rank).to(cos.device)
+        mine = ring.positions(h.shape[1], ring.rank, cos.device)
         return cos[mine], sin[mine]
 
     model.rope_for = rope_for
@@ -214,7 +225,7 @@ def apply_cp(model: Transformer, cp_mesh, load_balance: bool = True) -> Transfor
 
 def local_tokens(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     """This rank's slice of a (batch, seq) batch: its columns, at its positions."""
-    return x[:, ring.positions(x.shape[1] // ring.size, ring.rank).to(x.device)]
+    return x[:, ring.positions(x.shape[1] // ring.size, ring.rank, x.device)]
 
 
 def cp_degree(world: int, dp: int) -> int:

@@ -9,6 +9,11 @@ main(), which joins the driver's process group). Each run writes into DIR/<name>
 step_<step> into it, so that ``--resume`` starts there (another world size, another
 strategy), and "damage" then breaks that copy. Rank 0 writes DIR/<name>.json: exit code, stderr tail, losses by step.
 
+Before the runs, every rank says which device it would take on nodes with as many GPUs as
+it has local ranks (``rank_device``, the scripts' own choice, with the GPU count given:
+LOCAL_RANK's GPU, never RANK's) and on nodes of one GPU (refused); rank 0 writes them to
+DIR/devices_<world size>.json.
+
 Elastic restarts: a run with ``--fail-at-step`` crashes one rank hard (os._exit), torchrun
 kills the others and starts the whole job again. This driver then skips the runs that
 finished (their .json exists) and re-enters the crashed one with --resume. The
@@ -31,7 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp  # noqa: E402  (puts the repository on sys.path; runs a script's main() on our group)
-from common.distributed import _restart_store  # noqa: E402
+from common.distributed import _restart_store, rank_device  # noqa: E402
+from common.errors import UserError  # noqa: E402
 
 
 class Tee(io.StringIO):
@@ -61,6 +67,16 @@ def main(folder: str, plan: str):
                                 world_size=int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    choice = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"])}
+    choice["device"] = str(rank_device("cuda", device_count=int(os.environ["LOCAL_WORLD_SIZE"]))[1])
+    try:
+        rank_device("cuda", device_count=1)
+    except UserError as e:
+        choice["one_gpu"] = str(e)
+    choices = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, choice)
+    if rank == 0:
+        (folder / f"devices_{dist.get_world_size()}.json").write_text(json.dumps(choices))
     for name, run in json.loads(plan).items():
         result = folder / f"{name}.json"
         out = folder / name
