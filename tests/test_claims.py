@@ -5,6 +5,7 @@ this process in a few seconds. Each test prints the number the README quotes (py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -244,3 +245,28 @@ def test_pytorch_defaults_the_pages_name():
     assert MixedPrecisionPolicy(param_dtype=torch.bfloat16).output_dtype is None
     assert _cp_options.rotate_method == _RotateMethod.ALL_GATHER
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_autocast_keeps_one_weight_copy_per_region():
+    """will_it_fit.md, pipelines: autocast caches a weight's bf16 copy until its outermost
+    region ends. A region per micro-batch's forward (train_pp.py's, per stage) saves one copy
+    per micro-batch for backward; one region around all four saves a single copy."""
+    lin = torch.nn.Linear(64, 32)
+
+    def copies(one_region: bool) -> int:
+        seen, outs = set(), []
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and sorted(t.shape) == [32, 64]:
+                seen.add(t.untyped_storage().data_ptr())
+            return t
+        x = torch.randn(8, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if one_region else contextlib.nullcontext():
+                for _ in range(4):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        outs.append(lin(x))  # kept, as a pipeline keeps micro-batches in flight
+        return len(seen)
+    got = {"a region per forward": copies(False), "one region around all": copies(True)}
+    print(got)
+    assert got == {"a region per forward": 4, "one region around all": 1}
