@@ -6,8 +6,9 @@ DeepSpeed does the data-parallel work inside its engine: ``deepspeed.initialize`
 the plain model and our AdamW and returns an engine whose ``backward`` averages the
 gradients over the ranks (all-reduce; reduce-scatter at stage 3) and whose ``step`` clips,
 updates this rank's partition and all-gathers the parameters again. On a CPU it runs with DS_ACCELERATOR=cpu
-(set here) over gloo, in fp32 only: its bf16 path keeps a different master copy than
-FSDP's mixed-precision policy, so only fp32 compares loss for loss.
+(set here) over gloo, in fp32 only: in bf16 both keep fp32 master weights but round in
+different places (DeepSpeed reduces bf16 gradients in bf16, our FSDP policy in fp32), so
+only fp32 compares loss for loss.
 """
 import os
 import sys
