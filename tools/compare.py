@@ -129,7 +129,7 @@ def render_timelines(runs: list[RunResult], path, title: str, ymax: float | None
         label = r.label if len(r.traces) == 1 else (
             f"{r.label}: rank 0 by category, ranks 1-{len(r.traces) - 1} total as lines")
         traces.append(dict(t, label=label, other_ranks=r.traces[1:]))
-    render(traces, path, title=title, ymax=ymax)
+    render(traces, path, title=textwrap.fill(title, 110), ymax=ymax)
 
 
 def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int, str] | None = None):
@@ -262,7 +262,8 @@ def describe(runs: list["RunResult"], what: str | None = None) -> str:
     """A title's second half: what the runs share (``what`` if given), then what differs."""
     shared, differ = settings(runs)
     if what is None:
-        parts = [f"{shared['model']} model" if "model" in shared else None,
+        model = str(shared.get("model", ""))
+        parts = [(model.replace(" (", " model (", 1) if " (" in model else f"{model} model") if model else None,
                  f"batch {shared['batch']}" if "batch" in shared else None,
                  shared.get("precision"),
                  f"{shared['steps']} steps" if "steps" in shared else None,
