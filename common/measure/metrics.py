@@ -15,6 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from common.cli import saver_label
 from common.measure import syncs
 from common.measure.memory import CATEGORIES, fmt_bytes
 from common.measure.syncs import HostCopy
@@ -202,7 +203,6 @@ class Metrics:
         if not self.ctx.is_main:
             return None
         self._jsonl.close()
-        from common.cli import saver_label
         dt, tps = self.throughput()
         summary = {
             "script": self.args.script, "model": self.args.model, "model_config": self.cfg.as_dict(),
@@ -212,7 +212,7 @@ class Metrics:
             "global_batch_size": self.args.global_batch_size, "seq_len": self.args.seq_len,
             # what else makes two runs' numbers differ (tools/compare.py names it)
             "savers": saver_label(self.args), **{k: getattr(self.args, k, None) for k in ("lr", "seed")},
-            "data": str(getattr(self.args, "data", None)),
+            "data": None if getattr(self.args, "data", None) is None else str(self.args.data),
             "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"], "val_loss": val_loss,
             "step_time_s": dt, "tokens_per_s": tps,
             **({"grad_norm": {"first": self.rows[0]["grad_norm"], "final": self.rows[-1]["grad_norm"],
