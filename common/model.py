@@ -98,11 +98,13 @@ def get_config(name: str, **overrides) -> ModelConfig:
     return cfg
 
 
-def count_params(cfg: ModelConfig) -> int:
-    """Parameter count from the shapes alone (tests hold the real model to it)."""
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameter count from the shapes alone (tests hold the real model to it). ``active``:
+    those a token uses, with a mixture of experts' top_k experts instead of all of them."""
     d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     attention = d * d + 2 * d * kv + d * d          # wq, wk, wv, wo
-    mlp = 3 * d * cfg.ffn_dim * max(1, cfg.n_experts)  # w1 (gate), w3 (up), w2 (down), per expert
+    experts = min(cfg.n_experts, cfg.top_k) if active else cfg.n_experts
+    mlp = 3 * d * cfg.ffn_dim * max(1, experts)  # w1 (gate), w3 (up), w2 (down), per expert
     mlp += d * cfg.n_experts                             # the router (MoE only)
     norms = 2 * d                                   # attention_norm, ffn_norm
     return cfg.vocab_size * d + cfg.n_layers * (attention + mlp + norms) + d + d * cfg.vocab_size
@@ -118,9 +120,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     (PaLM's appendix B formula: 6 * 2 * L * d * T), counted as if the causal mask did not
     skip the upper triangle, the convention MFU numbers are usually reported with.
     """
-    n_matmul = count_params(cfg) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
     # A mixture of experts: a token goes through top_k experts, not all (active parameters).
-    n_matmul -= cfg.n_layers * 3 * cfg.dim * cfg.ffn_dim * max(0, cfg.n_experts - cfg.top_k)
+    n_matmul = count_params(cfg, active=True) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
 
 

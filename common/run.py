@@ -48,6 +48,7 @@ class Run:
         self.args, self.ctx, self.scheduler = args, ctx, scheduler
         dtype = dtype or getattr(args, "compute_dtype", "fp32")
         self.strategy = strategy
+        self.lesson = title  # the strategy alone, for summary.json
         self.title = ", ".join(filter(None, [title, cli.saver_label(args)]))
         self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "ac_every": getattr(args, "ac_every", 1),
                         "accum": getattr(args, "grad_accum", 1), **(predict or {})}
@@ -147,6 +148,7 @@ class Run:
         predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}
+        extra = {"lesson": self.lesson, **extra}
         if ctx.fake:  # one rank of the layout, alone: memory and bytes real, losses not
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)

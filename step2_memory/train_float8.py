@@ -65,7 +65,7 @@ def main():
                 with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
                     logits = model(x)  # (batch, seq, vocab)
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                loss.backward()  # the gradient's matmuls in float8 too (e5m2's range is not needed: dynamic scales)
+                loss.backward()  # the gradient's matmuls in float8 too: the incoming gradient e5m2, for its range
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -93,7 +93,7 @@ def main():
         n_stages = args.pp * len(my_stages)
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
         # A dry run's rank is told its stages' shapes (train_pp.py): the residual stream crosses
-        # in fp32, and FSDP's root hands out fp32 logits.
+        # in fp32, and our FSDP root's output_dtype hands out fp32 logits.
         stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
                                  args.global_batch_size // args.dp // args.microbatches, args.seq_len, torch.float32,
                                  group=mesh["pp"].get_group())

@@ -6,8 +6,9 @@ DeepSpeed does the data-parallel work inside its engine: ``deepspeed.initialize`
 the plain model and our AdamW and returns an engine whose ``backward`` averages the
 gradients over the ranks (all-reduce; reduce-scatter at stage 3) and whose ``step`` clips,
 updates this rank's partition and all-gathers the parameters again. On a CPU it runs with DS_ACCELERATOR=cpu
-(set here) over gloo, in fp32 only: its bf16 path keeps a different master copy than
-FSDP's mixed-precision policy, so only fp32 compares loss for loss.
+(set here) over gloo, in fp32 only: in bf16 both keep fp32 master weights but round in
+different places (DeepSpeed reduces bf16 gradients in bf16, our FSDP policy in fp32), so
+only fp32 compares loss for loss.
 """
 import os
 import sys
@@ -101,9 +102,10 @@ def main(argv=None):
             "gradient_clipping": args.max_norm,  # the global norm, as clip_grad_norm
             # Buckets of DDP's 25 MiB: DeepSpeed's defaults (5e8 elements, 1.9 GiB in fp32) are
             # sized for billions of parameters and would dwarf this model in the memory trace.
-            # Stage 3 as FSDP2 does it: every parameter sharded (by default those under 1e5
-            # elements stay whole: all of a small model's), and each module's gathered
-            # parameters freed after use (by default up to 1e9 elements stay gathered for reuse).
+            # Stage 3 as FSDP2 does it: every parameter sharded (by default those of at most 1e5
+            # elements stay whole: small's norms, attention and embedding, 28% of it), and each
+            # module's gathered parameters freed after use (by default up to 1e9 elements stay
+            # gathered for reuse, which at this size frees nothing between forward and backward).
             "zero_optimization": {"stage": args.zero_stage, "overlap_comm": False,
                                   "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
                                   "stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_threshold": 0,
@@ -130,7 +132,7 @@ def main(argv=None):
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 logits = engine(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                engine.backward(loss)  # stage 1 (and 2, measured on gloo): all-reduce; 3: reduce-scatter
+                engine.backward(loss)  # stages 1 and 2: all-reduce (use_multi_rank_bucket_allreduce); 3: reduce-scatter
                 engine.step()  # clip, update this rank's partition, all-gather the parameters
             grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
             run.log(step, global_loss(loss, dp_size=ctx.world_size), grad_norm=grad_norm)

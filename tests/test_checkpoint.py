@@ -278,6 +278,21 @@ def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
     _close(e["ddp_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], 1e-5)
 
 
+def test_a_checkpoint_holds_the_same_tensor_bytes_in_every_layout(jobs):
+    """step4_multi_node/README.md: DDP, ZeRO-1 and FSDP (2 and 4 ranks) write the same tensor
+    bytes, 12N plus a 4-byte step counter per parameter tensor (FSDP's shards unpadded); what
+    else is in the .distcp files is per item, and FSDP writes each weight and moment as W
+    shards: 3T(W - 1) items more than DDP."""
+    from step4_multi_node.tables import checkpoint_row
+    rows = {name: checkpoint_row(jobs.folder / name) for name in ("ddp", "fsdp", "fsdp4", "zero1_4")}
+    n, tensors = rows["ddp"]["n_params"], len(list(Transformer(get_config("debug")).parameters()))
+    print({k: (r["tensor_bytes"], r["items"], r["data_bytes"]) for k, r in rows.items()})
+    assert {r["tensor_bytes"] for r in rows.values()} == {12 * n + 4 * tensors}
+    assert rows["fsdp"]["items"] - rows["ddp"]["items"] == 3 * tensors * (2 - 1)
+    assert rows["fsdp4"]["items"] - rows["ddp"]["items"] == 3 * tensors * (4 - 1)
+    assert all(0 < (r["data_bytes"] - r["tensor_bytes"]) / r["items"] < 2048 for r in rows.values())
+
+
 def test_export_gives_one_plain_file(jobs, tmp_path):
     """Sharded by 4 FSDP ranks or whole on 2 DDP ranks: the same weights, one torch.save file."""
     weights = {}

@@ -5,6 +5,7 @@ this process in a few seconds. Each test prints the number the README quotes (py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -176,3 +177,96 @@ def test_a_128k_vocabulary_output_layer_in_transformer_layers():
         got[name] = math.prod(shapes["output.weight"]) / layer
     print({k: f"{v:.2f} layers" for k, v in got.items()})
     assert got["8b"] == pytest.approx(2.4, abs=0.05) and got["1b"] == pytest.approx(4.3, abs=0.05)
+
+
+def test_float8_default_recipe_casts_the_gradient_to_e5m2():
+    """README 2.6: torchao's default Float8LinearConfig casts the input and the weight to e4m3
+    (largest 448, rounding up to 1/16) and the incoming gradient to e5m2 (largest 57344,
+    rounding up to 1/8), both in forward's matmul and in backward's two."""
+    from common.parallelize.float8 import _torchao_float8
+    config = _torchao_float8().Float8LinearConfig()
+    dtypes = {name: getattr(config, f"cast_config_{name}").target_dtype for name in (
+        "input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
+        "grad_output_for_grad_weight")}
+    rounding = {d: torch.finfo(d).eps / 2 for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16)}
+    print(dtypes, {str(d): (torch.finfo(d).max, r) for d, r in rounding.items()})
+    assert {dtypes[k] for k in ("input", "weight", "input_for_grad_weight", "weight_for_grad_input")} == {
+        torch.float8_e4m3fn}
+    assert dtypes["grad_output"] == dtypes["grad_output_for_grad_weight"] == torch.float8_e5m2
+    assert (torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max) == (448, 57344)
+    assert list(rounding.values()) == [1 / 16, 1 / 8, 1 / 256]
+
+
+def test_moe_parameters_used_per_token():
+    """expert_parallel.md: 1b-moe holds 3.39B parameters and a token uses 0.97B of them: two
+    experts of half the width are the dense 1b's MLP, plus the router."""
+    from common.model import count_params
+    moe, dense = get_config("1b-moe"), get_config("1b")
+    total, active = count_params(moe), count_params(moe, active=True)
+    print(f"1b-moe: {active:,} of {total:,} per token; 1b: {count_params(dense):,}")
+    assert (total, active) == (3_390_375_936, 974_456_832)
+    assert active - count_params(dense) == moe.n_layers * moe.dim * moe.n_experts  # the routers
+
+
+def test_1b_shape_at_llama_vocabulary():
+    """will_it_fit.md: our 1b at Llama 3's 128,256-token vocabulary has 1,498,482,688 parameters,
+    22.33 GiB at 16 bytes each: its embedding and output layer are separate matrices. Llama 3.2
+    1B ties them (one matrix of 262.7M): 1,235,814,400 parameters, 18.42 GiB."""
+    from common.model import count_params
+    cfg = get_config("1b", vocab_size=128256)
+    ours = count_params(cfg)
+    tied = ours - cfg.vocab_size * cfg.dim
+    print(f"ours {ours:,} = {16 * ours / 2**30:.2f} GiB; tied {tied:,} = {16 * tied / 2**30:.2f} GiB")
+    assert ours == 1_498_482_688 and f"{16 * ours / 2**30:.2f}" == "22.33"
+    assert tied == 1_235_814_400 and f"{16 * tied / 2**30:.2f}" == "18.42"
+
+
+def test_deepspeed_persistence_threshold_leaves_the_mlp_sharded():
+    """deepspeed.md: ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5
+    elements by default) whole on every rank. In `small` the twelve MLP matrices (w1, w2, w3
+    of 4 blocks, 196,608 elements each, 72% of the parameters) are above it and sharded."""
+    shapes = theory.param_shapes(get_config("small"))
+    sizes = {k: math.prod(s) for k, s in shapes.items()}
+    big = {k: n for k, n in sizes.items() if n >= 1e5}
+    share = sum(big.values()) / sum(sizes.values())
+    print(f"{len(big)} of {len(sizes)} tensors >= 1e5 elements: {sorted({k.split('.')[-2] for k in big})}, "
+          f"{share:.1%} of the parameters")
+    assert {k.split(".")[-2] for k in big} == {"w1", "w2", "w3"} and set(big.values()) == {196_608}
+    assert len(big) == 12 and 0.71 < share < 0.73
+
+
+def test_pytorch_defaults_the_pages_name():
+    """FSDP2's MixedPrecisionPolicy returns its param_dtype unless output_dtype is set (our
+    root sets fp32, will_it_fit.md); PyTorch's context_parallel all-gathers K/V unless
+    set_rotate_method("alltoall") (context_parallel.md); fp32 matmuls are full fp32 until
+    set_float32_matmul_precision("high") allows TF32 (README 2.1)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.experimental._attention import _cp_options, _RotateMethod
+    assert MixedPrecisionPolicy(param_dtype=torch.bfloat16).output_dtype is None
+    assert _cp_options.rotate_method == _RotateMethod.ALL_GATHER
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_autocast_keeps_one_weight_copy_per_region():
+    """will_it_fit.md, pipelines: autocast caches a weight's bf16 copy until its outermost
+    region ends. A region per micro-batch's forward (train_pp.py's, per stage) saves one copy
+    per micro-batch for backward; one region around all four saves a single copy."""
+    lin = torch.nn.Linear(64, 32)
+
+    def copies(one_region: bool) -> int:
+        seen, outs = set(), []
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and sorted(t.shape) == [32, 64]:
+                seen.add(t.untyped_storage().data_ptr())
+            return t
+        x = torch.randn(8, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if one_region else contextlib.nullcontext():
+                for _ in range(4):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        outs.append(lin(x))  # kept, as a pipeline keeps micro-batches in flight
+        return len(seen)
+    got = {"a region per forward": copies(False), "one region around all": copies(True)}
+    print(got)
+    assert got == {"a region per forward": 4, "one region around all": 1}

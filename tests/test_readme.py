@@ -219,11 +219,39 @@ def test_compare_renders(synthetic_runs, tmp_path):
     md = compare(synthetic_runs, ["A", "B"], tmp_path / "out")
     for f in ("memory_timelines.png", "peak_by_category.png", "compare.md"):
         assert (tmp_path / "out" / f).stat().st_size > 0
-    rows = md.strip().splitlines()
-    assert len(rows) == 4 and rows[2].startswith("| A | 2 |") and rows[3].startswith("| B | 2 |")
+    note, blank, *rows = md.strip().splitlines()
+    # the runs share every setting: said once, and no column for any of them
+    assert note == "All runs: model debug, batch 4 x 32 tokens, device CPU, ranks 2." and not blank
+    assert len(rows) == 4 and rows[0].startswith("| run | ranks |")
+    assert rows[2].startswith("| A | 2 |") and rows[3].startswith("| B | 2 |")
     # A counted no bytes; B sent 1000 B per rank per step (what it received is its sender's)
     assert "n/a" in rows[2] and "1000 B" in rows[3]
     assert "0.50x" in rows[3]
+
+
+def test_compare_names_what_differs(synthetic_runs, tmp_path, monkeypatch):
+    """An fp32 DDP run beside a bf16 FSDP run at twice the batch: the table gives each
+    differing setting a column and says the peaks compare all of them; the figure titles
+    name what the runs share and what differs (the strategy is what a comparison is for)."""
+    import json
+
+    import tools.compare as compare_mod
+    for folder, lesson, savers, batch in zip(synthetic_runs, ("Step 3a, DDP", "Step 3a, FSDP (ZeRO-3)"),
+                                             ("fp32", "AMP bf16"), (4, 8)):
+        s = json.loads((folder / "summary.json").read_text())
+        s.update(lesson=lesson, savers=savers, global_batch_size=batch, steps=5)
+        (folder / "summary.json").write_text(json.dumps(s))
+    titles = []
+    monkeypatch.setattr(compare_mod, "render_peak_bars", lambda runs, path, title: titles.append(title))
+    monkeypatch.setattr(compare_mod, "render_timelines", lambda runs, path, title: titles.append(title))
+    note, _, head, _, a, b = compare_mod.compare(synthetic_runs, ["A", "B"], tmp_path / "out").strip().splitlines()
+    assert note == ("All runs: model debug, steps 5, device CPU, ranks 2. They differ in strategy, precision, "
+                    "batch: the columns compare all of these, not the strategy alone.")
+    assert head.startswith("| run | strategy | precision | batch | ranks | peak")
+    assert a.startswith("| A | DDP | fp32 | 4 x 32 tokens | 2 |")
+    assert b.startswith("| B | FSDP (ZeRO-3) | AMP bf16 | 8 x 32 tokens | 2 |")
+    assert titles and all(t.endswith(": debug model, 5 steps, CPU, 2 ranks; runs differ in precision, batch")
+                          for t in titles), titles
 
 
 def test_compare_missing_folder(synthetic_runs, tmp_path, capsys):

@@ -12,7 +12,10 @@ a table in the README is always a function of real runs. It draws
   rank's peak, by category;
 
 and prints (and writes ``compare.md``) a table: peak memory per rank, bytes each rank
-communicated per optimizer step, tokens/s and final loss.
+communicated per optimizer step, tokens/s and final loss. Runs that differ in more than
+the strategy (precision, model, batch, steps, ...; read from their summary.json) get a
+column for each such setting, and the figure titles name it: an fp32 run beside a bf16
+one compares precision as much as sharding.
 
 Chapter 2's figures and table (tools/figures.py) use the same functions with one rank.
 """
@@ -126,7 +129,7 @@ def render_timelines(runs: list[RunResult], path, title: str, ymax: float | None
         label = r.label if len(r.traces) == 1 else (
             f"{r.label}: rank 0 by category, ranks 1-{len(r.traces) - 1} total as lines")
         traces.append(dict(t, label=label, other_ranks=r.traces[1:]))
-    render(traces, path, title=title, ymax=ymax)
+    render(traces, path, title=textwrap.fill(title, 110), ymax=ymax)
 
 
 def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int, str] | None = None):
@@ -215,24 +218,88 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
     return "\n".join(lines) + "\n"
 
 
+# What makes two runs' numbers differ besides the label: read from summary.json, named in
+# the table and the figure titles when the runs do not share it. An fp32 run beside a bf16
+# one, or a batch of 8 beside one of 16, moves the peak as much as the strategy does.
+def _strategy(s: dict) -> str | None:
+    lesson = s.get("lesson")  # the script's title, e.g. "Pipeline parallel (1f1b, 8 micro-batches)"
+    if lesson:
+        return lesson.split(", ", 1)[1] if lesson.startswith("Step ") and ", " in lesson else lesson
+    return s.get("strategy") or s.get("script")
+
+
+SETTINGS = {  # name in the table -> its value from a summary (None: the run did not record it)
+    "strategy": _strategy,
+    "model": lambda s: s.get("model") and (f"{s['model']} ({s['n_params'] / 1e6:.2f}M parameters)"
+                                          if s.get("n_params") else s["model"]),
+    "precision": lambda s: s.get("savers") or s.get("dtype"),  # "fp32", "AMP bf16 + full AC", ...
+    "batch": lambda s: f"{s['global_batch_size']} x {s['seq_len']} tokens",
+    "steps": lambda s: s.get("steps"),
+    "lr": lambda s: s.get("lr"),
+    "seed": lambda s: s.get("seed"),
+    "data": lambda s: s.get("data"),
+    "device": lambda s: s.get("device_name") or s.get("device"),
+    "ranks": lambda s: s.get("world_size"),
+}
+
+
+def settings(runs: list["RunResult"]) -> tuple[dict[str, object], dict[str, list]]:
+    """(the settings every run shares: name -> value, the ones that differ: name -> value per
+    run). A setting no run recorded (an older summary.json) is in neither."""
+    shared, differ = {}, {}
+    for name, get in SETTINGS.items():
+        values = [get(r.summary) for r in runs]
+        if all(v is None for v in values):
+            continue
+        if len(set(map(str, values))) == 1:
+            shared[name] = values[0]
+        else:
+            differ[name] = ["?" if v is None else v for v in values]
+    return shared, differ
+
+
+def describe(runs: list["RunResult"], what: str | None = None) -> str:
+    """A title's second half: what the runs share (``what`` if given), then what differs."""
+    shared, differ = settings(runs)
+    if what is None:
+        model = str(shared.get("model", ""))
+        parts = [(model.replace(" (", " model (", 1) if " (" in model else f"{model} model") if model else None,
+                 f"batch {shared['batch']}" if "batch" in shared else None,
+                 shared.get("precision"),
+                 f"{shared['steps']} steps" if "steps" in shared else None,
+                 shared.get("device"),
+                 f"{shared['ranks']} rank{'s' if shared['ranks'] != 1 else ''}" if "ranks" in shared else None]
+        what = ", ".join(str(p) for p in parts if p)
+    others = [k for k in differ if k != "strategy"]  # the strategy is what a comparison is about
+    return what + (f"; runs differ in {', '.join(others)}" if others else "")
+
+
 def _spread(values: list[float], fmt) -> str:
     lo, hi = min(values), max(values)
     return fmt(hi) if len(values) == 1 or hi - lo <= 0.005 * hi else f"{fmt(lo)} - {fmt(hi)}"
 
 
 def compare_table(runs: list[RunResult]) -> str:
-    """Several runs, possibly on several ranks: per-rank peak memory (the highest rank
-    and the range over ranks), logical bytes communicated per optimizer step per rank,
-    tokens/s (median step, whole job) and the final loss."""
-    head = ["run", "ranks", "peak, highest rank", "peak per rank (range)", "peak vs first",
+    """Several runs, possibly on several ranks: a line naming what they share, then per run
+    the settings that differ between them (one column each: the strategy, precision, model,
+    batch, ...), per-rank peak memory (the highest rank and the range over ranks), logical
+    bytes communicated per optimizer step per rank, tokens/s (median step, whole job) and
+    the final loss."""
+    shared, differ = settings(runs)
+    extra = [k for k in differ if k != "ranks"]  # ranks has its column anyway
+    head = ["run", *extra, "ranks", "peak, highest rank", "peak per rank (range)", "peak vs first",
             "sent per step per rank", "tokens/s", "final loss"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    note = [f"All runs: {', '.join(f'{k} {v}' for k, v in shared.items())}."] if shared else []
+    if set(differ) - {"strategy"}:
+        note.append(f"They differ in {', '.join(differ)}: the columns compare all of these, not the strategy alone.")
+    lines = ([" ".join(note), ""] if note else []) + [
+        "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     base = max((m["peak_bytes"] for m in runs[0].peaks), default=None)
-    for r in runs:
+    for i, r in enumerate(runs):
         peaks = [m["peak_bytes"] for m in r.peaks]
         comm = r.comm_per_step()
         s = r.summary
-        cells = [r.label, str(s.get("world_size", len(peaks) or 1)),
+        cells = [r.label, *(str(differ[k][i]) for k in extra), str(s.get("world_size", len(peaks) or 1)),
                  f"**{fmt_bytes(max(peaks))}**" if peaks else "n/a",
                  _spread(peaks, fmt_bytes) if peaks else "n/a",
                  f"{max(peaks) / base:.2f}x" if peaks and base else "n/a",
@@ -254,9 +321,7 @@ def compare(folders, labels=None, out=None, title: str | None = None) -> str:
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        s = runs[0].summary
-        what = title or (f"{s.get('model', '?')} model, batch {s.get('global_batch_size')} x {s.get('seq_len')} "
-                         f"tokens, {s.get('device_name', s.get('device', ''))}")
+        what = describe(runs, title)
         if all(r.traces for r in runs):
             render_timelines(runs, out / "memory_timelines.png", f"Live memory per rank, one scale: {what}")
         render_peak_bars(runs, out / "peak_by_category.png", f"What is alive at each rank's memory peak: {what}")
@@ -271,7 +336,8 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders (the --out of each run)")
     p.add_argument("--labels", default=None, help="comma-separated names, one per run (default: folder names)")
     p.add_argument("--out", default="runs/compare", help="folder for the figures and compare.md (default: runs/compare)")
-    p.add_argument("--title", default=None, help="what the runs share, for the figure titles")
+    p.add_argument("--title", default=None, help="what the runs share, for the figure titles (default: read "
+                                                 "from their summary.json; what differs is named either way)")
     args = p.parse_args(argv)
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     table = compare(args.runs, labels, args.out, args.title)

@@ -15,6 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from common.cli import saver_label
 from common.measure import syncs
 from common.measure.memory import CATEGORIES, fmt_bytes
 from common.measure.syncs import HostCopy
@@ -209,6 +210,9 @@ class Metrics:
             "device_name": self.device_name, "backend": self.ctx.backend, "dtype": self.dtype,
             "n_params": self.n_params, "steps": self.args.steps,
             "global_batch_size": self.args.global_batch_size, "seq_len": self.args.seq_len,
+            # what else makes two runs' numbers differ (tools/compare.py names it)
+            "savers": saver_label(self.args), **{k: getattr(self.args, k, None) for k in ("lr", "seed")},
+            "data": None if getattr(self.args, "data", None) is None else str(self.args.data),
             "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"], "val_loss": val_loss,
             "step_time_s": dt, "tokens_per_s": tps,
             **({"grad_norm": {"first": self.rows[0]["grad_norm"], "final": self.rows[-1]["grad_norm"],

@@ -1,9 +1,11 @@
 """float8 training with torchao, applied from outside the model like every other saver.
 
 ``convert_float8`` swaps chosen ``nn.Linear`` modules for torchao's ``Float8Linear``: each
-matmul of forward and backward casts its two operands to float8 (e4m3, one scale per
-tensor computed from its current absolute maximum: "dynamic" scaling) and multiplies them
-on the tensor cores' float8 path, twice bf16's rate on an H100. The weights, gradients and
+matmul of forward and backward casts its two operands to float8, one scale per tensor
+computed from its current absolute maximum ("dynamic" scaling), and multiplies them on the
+tensor cores' float8 path, twice bf16's rate on an H100. With torchao's default
+``Float8LinearConfig`` the input and the weight are e4m3 (3 mantissa bits, largest 448)
+and the incoming gradient e5m2 (2 mantissa bits, largest 57344). The weights, gradients and
 AdamW state stay fp32: float8 changes what the matmuls compute in, not what is stored.
 
 torchao is optional for the rest of the tutorial: only what imports this module needs it.
