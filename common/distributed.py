@@ -355,7 +355,7 @@ def _describe(c: dict | None) -> str:
     return f"{c['op']} #{c['seq']} ({'finished' if c['done'] else 'not finished'})"
 
 
-def name_the_stuck_rank(rank: int, world: int, wait_s: float = 3.0) -> str:
+def name_the_stuck_rank(rank: int, world: int, wait_s: float = 8.0) -> str:
     """One clause naming the rank(s) the others wait for, from every rank's last collective
     ("" when it cannot be known: no store, no recorder)."""
     try:
