@@ -84,6 +84,9 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     if args.eval_every and not args.eval_batches:
         raise UserError(f"--eval-every {args.eval_every} has nothing to measure with --eval-batches 0; give "
                         f"--eval-batches 1 or more, or drop --eval-every.")
+    if args.tensorboard:  # refused now, before any work, where the package is missing
+        from common.measure.metrics import tensorboard_writer
+        tensorboard_writer()
     if not (args.max_norm >= 0 and math.isfinite(args.max_norm)):
         raise UserError(f"--max-norm must be 0 (no clipping) or a positive number (got {args.max_norm}).")
     if not (args.lr > 0 and math.isfinite(args.lr)):

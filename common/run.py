@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from common import cli
 from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
@@ -105,6 +106,19 @@ class Run:
         every = self.args.eval_every
         return bool(every) and self.evaluate is not None and ((step + 1) % every == 0 or step == self.args.steps - 1)
 
+    def _validate(self) -> float | None:
+        """The held-out loss, or None. A forward with no backward leaves FSDP's root module
+        gathered (it skips the root's reshard after forward, for the backward that usually
+        follows): sharded again here, or the next step would start with it whole."""
+        if self.evaluate is None:
+            return None
+        val = self.evaluate()
+        for m in self.models:
+            for module in m.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return val
+
     @contextlib.contextmanager
     def step(self, step: int):
         """Trace the step's memory and count its bytes, if it is one of the steps for that."""
@@ -122,7 +136,7 @@ class Run:
         rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
                                 or (self.profile.enabled and step in self.profile.steps),
                                 now=self.ckpt.saves_at(step),
-                                evaluate=self.evaluate if self.evaluates(step) else None, **extra)
+                                evaluate=self._validate if self.evaluates(step) else None, **extra)
         if self.scheduler is not None:
             self.scheduler.step()
         for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
@@ -144,7 +158,7 @@ class Run:
         a, ctx = self.args, self.ctx
         # The last step's held-out loss where --eval-every measured it already, else measured now
         last = self.metrics.last_val
-        val_loss = last[1] if last and last[0] == a.steps - 1 else self.evaluate() if self.evaluate else None
+        val_loss = last[1] if last and last[0] == a.steps - 1 else self._validate()
         if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
             save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"

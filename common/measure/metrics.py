@@ -97,7 +97,7 @@ class Metrics:
         self._pending = None  # (row, HostCopy, end) of the step whose numbers are not read yet
         self._jsonl = None
         self.last_val = None  # (step, val_loss) of the newest evaluation during training
-        # --tensorboard: every rank checks for the package (all refuse alike); rank 0 writes
+        # --tensorboard (cli.parse has checked for the package): rank 0 writes
         self._tb_class = tensorboard_writer() if getattr(args, "tensorboard", False) else None
         self._tb = None
 
