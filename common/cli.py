@@ -59,6 +59,12 @@ def parser(description: str | None) -> argparse.ArgumentParser:
                    help="at the end, gather the trained weights into one plain file, OUT/weights.pt")
     g.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches for the validation loss at the end (default: 4; 0 skips it)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="also measure the validation loss every N steps, logged as val_loss (default: 0, only at "
+                        "the end)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write the logged metrics as TensorBoard scalars into OUT/tensorboard/ (needs "
+                        "pip install tensorboard)")
     checkpoint.add_flags(p)
     return p
 
@@ -72,9 +78,15 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     for flag in ("steps", "global_batch_size", "seq_len", "trace_steps"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
-    for flag in ("warmup_steps", "trace_start", "eval_batches"):
+    for flag in ("warmup_steps", "trace_start", "eval_batches", "eval_every"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)}).")
+    if args.eval_every and not args.eval_batches:
+        raise UserError(f"--eval-every {args.eval_every} has nothing to measure with --eval-batches 0; give "
+                        f"--eval-batches 1 or more, or drop --eval-every.")
+    if args.tensorboard:  # refused now, before any work, where the package is missing
+        from common.measure.metrics import tensorboard_writer
+        tensorboard_writer()
     if not (args.max_norm >= 0 and math.isfinite(args.max_norm)):
         raise UserError(f"--max-norm must be 0 (no clipping) or a positive number (got {args.max_norm}).")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -229,7 +241,8 @@ def check_dry_run(args: argparse.Namespace) -> None:
 def refuse_run_flags(args: argparse.Namespace, script: str) -> None:
     """For the scripts that share the flags but not the Run object (comparisons, benchmarks):
     what only a training run does is refused, not silently ignored."""
-    for flag, on in (("--profile", args.profile), ("--save-weights", args.save_weights)):
+    for flag, on in (("--profile", args.profile), ("--save-weights", args.save_weights),
+                     ("--eval-every", args.eval_every), ("--tensorboard", args.tensorboard)):
         if on:
             raise UserError(f"{script} does not take {flag} (it compares or times runs of its own); use {flag} with "
                             f"a training script.")

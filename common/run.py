@@ -1,11 +1,13 @@
 """A run's bookkeeping in one object, so that a training script shows only its lesson.
 
-    run = Run(args, ctx, model, optimizer, scheduler, data, strategy="ddp", title="DDP")
+    run = Run(args, ctx, model, optimizer, scheduler, data, strategy="ddp", title="DDP",
+              evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
     for step in run.steps():          # a progress bar; starts after the checkpoint with --resume
         with run.step(step):          # memory trace and communication count of this step
             ...forward, backward, optimizer.step()...
-        run.log(step, loss)           # metrics.jsonl (one step late), LR schedule, NaN check, checkpoint
-    run.finish(val_loss=...)          # figure, summary.json, predicted vs measured, bytes sent
+        run.log(step, loss)           # metrics.jsonl (one step late), LR schedule, NaN check, checkpoint;
+                                      # the held-out loss every --eval-every steps
+    run.finish()                      # validation loss, figure, summary.json, predicted vs measured, bytes
 
 What it drives, each living in its own module:
 - ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--on-nan``;
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from common import cli
 from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
@@ -40,12 +43,14 @@ class Run:
     arguments of that prediction (shard, microbatches, ...); dtype, ac and accum come from
     the saver flags (--amp, --ac, --grad-accum) unless given. ``fsdp``: let the tracer
     see FSDP's gathered parameters. ``sources``: optimizer state the tracer cannot find
-    by itself (ZeRO-1's inner optimizer)."""
+    by itself (ZeRO-1's inner optimizer). ``evaluate``: the held-out loss of the model as it
+    is now (a float, the same on every rank, which all call it together), or None; Run calls
+    it every --eval-every steps and once at the end."""
 
     def __init__(self, args, ctx, models, optimizer, scheduler=None, data=None, *, strategy: str | None,
                  title: str, parallel: dict | None = None, dtype: str | None = None, predict: dict | None = None,
-                 fsdp: bool = False, sources=(), ckpt_optimizer=None):
-        self.args, self.ctx, self.scheduler = args, ctx, scheduler
+                 fsdp: bool = False, sources=(), ckpt_optimizer=None, evaluate=None):
+        self.args, self.ctx, self.scheduler, self.evaluate = args, ctx, scheduler, evaluate
         dtype = dtype or getattr(args, "compute_dtype", "fp32")
         self.strategy = strategy
         self.lesson = title  # the strategy alone, for summary.json
@@ -94,6 +99,26 @@ class Run:
         first = min(self.start + 2, self.args.steps - 1)
         return first <= step < first + 2
 
+    def evaluates(self, step: int) -> bool:
+        """Whether the held-out loss is measured after this step: every --eval-every steps and
+        after the last (a step number, so the same steps on any layout and after --resume).
+        Outside ``step()``: never in a traced or counted step's window."""
+        every = self.args.eval_every
+        return bool(every) and self.evaluate is not None and ((step + 1) % every == 0 or step == self.args.steps - 1)
+
+    def _validate(self) -> float | None:
+        """The held-out loss, or None. A forward with no backward leaves FSDP's root module
+        gathered (it skips the root's reshard after forward, for the backward that usually
+        follows): sharded again here, or the next step would start with it whole."""
+        if self.evaluate is None:
+            return None
+        val = self.evaluate()
+        for m in self.models:
+            for module in m.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return val
+
     @contextlib.contextmanager
     def step(self, step: int):
         """Trace the step's memory and count its bytes, if it is one of the steps for that."""
@@ -110,7 +135,8 @@ class Run:
         # profiler: all left out of the throughput.
         rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
                                 or (self.profile.enabled and step in self.profile.steps),
-                                now=self.ckpt.saves_at(step), **extra)
+                                now=self.ckpt.saves_at(step),
+                                evaluate=self._validate if self.evaluates(step) else None, **extra)
         if self.scheduler is not None:
             self.scheduler.step()
         for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
@@ -126,10 +152,13 @@ class Run:
         dist.gather_object(mine, out, dst=0)
         return out
 
-    def finish(self, val_loss: float | None = None, **extra) -> dict | None:
-        """Draw the memory figure, write summary.json, print prediction and bytes (rank 0);
-        with --save-weights, gather the weights into OUT/weights.pt."""
+    def finish(self, **extra) -> dict | None:
+        """Measure the validation loss, draw the memory figure, write summary.json, print
+        prediction and bytes (rank 0); with --save-weights, gather the weights into OUT/weights.pt."""
         a, ctx = self.args, self.ctx
+        # The last step's held-out loss where --eval-every measured it already, else measured now
+        last = self.metrics.last_val
+        val_loss = last[1] if last and last[0] == a.steps - 1 else self._validate()
         if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
             save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"

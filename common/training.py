@@ -1,6 +1,7 @@
 """Small pieces of a training loop that are not the lesson of any step."""
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 
@@ -63,8 +64,10 @@ def eval_batch_count(tokens: torch.Tensor, args) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, tokens: torch.Tensor, args, device) -> float | None:
-    """Mean next-byte loss on the first ``--eval-batches`` held-out batches (no shuffle)."""
+def evaluate(model, tokens: torch.Tensor, args, device, loss_context=contextlib.nullcontext) -> float | None:
+    """Mean next-byte loss on the first ``--eval-batches`` held-out batches (no shuffle).
+    ``loss_context``: what the cross entropy runs under (loss_parallel, for logits split
+    over the vocabulary)."""
     if args.eval_batches == 0 or len(tokens) <= args.seq_len * args.global_batch_size:
         return None
     was_training = model.training
@@ -74,7 +77,9 @@ def evaluate(model, tokens: torch.Tensor, args, device) -> float | None:
     for _ in range(eval_batch_count(tokens, args)):
         x, y = next(batches)
         x, y = x.to(device), y.to(device)
-        losses.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item())
+        logits = model(x)
+        with loss_context():
+            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item())
     model.train(was_training)
     return sum(losses) / len(losses)
 

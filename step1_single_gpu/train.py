@@ -33,7 +33,8 @@ def main():
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 1, fp32 baseline")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 1, fp32 baseline",
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -56,7 +57,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, loss, grad_norm=grad_norm)
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def main():
         # fp32's 8 exponent bits, so its gradients neither underflow nor overflow: no scaler.
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2",
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -69,7 +70,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, loss, grad_norm=grad_norm, loss_scale=scaler.get_scale())
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
+        run.finish()
 
 
 if __name__ == "__main__":

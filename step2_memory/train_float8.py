@@ -54,7 +54,8 @@ def main():
         if args.compile:
             model.compile()  # on a GPU float8 is only fast compiled: the casts fuse into one kernel
 
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2, float8")
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2, float8",
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -71,7 +72,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, loss, grad_norm=grad_norm)
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device), float8=float8)
+        run.finish(float8=float8)
 
 
 if __name__ == "__main__":

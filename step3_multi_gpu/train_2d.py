@@ -74,7 +74,8 @@ def main():
         # FSDP x TP shards are DTensors on a 2-D mesh; DCP reshards them to any other mesh.
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="2d",
                   title=f"2-D parallel, FSDP {dp} x TP {args.tp}", parallel={"dp": dp, "tp": args.tp},
-                  predict=dict(tp=args.tp, sequence_parallel=args.sequence_parallel))
+                  predict=dict(tp=args.tp, sequence_parallel=args.sequence_parallel),
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device, loss_parallel))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -96,9 +97,7 @@ def main():
             # Each TP group's loss is the mean over its share of the batch; average over dp.
             run.log(step, global_loss(step_loss, mesh["dp"].get_group(), dp), grad_norm=grad_norm)
 
-        with loss_parallel():
-            val_loss = evaluate(model, corpus.val, args, ctx.device)
-        run.finish(val_loss=val_loss, sequence_parallel=args.sequence_parallel)
+        run.finish(sequence_parallel=args.sequence_parallel)
 
 
 if __name__ == "__main__":

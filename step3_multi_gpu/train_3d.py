@@ -105,7 +105,10 @@ def main():
         # the full model's names, so the checkpoint does not depend on the split.
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
                   title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
-                  parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages})
+                  parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages},
+                  evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
+                                                     last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group(),
+                                                     mesh["dp"].get_group(), dp_rank, args.dp, stages=stages))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -124,11 +127,7 @@ def main():
                                mesh["dp"].get_group(), args.dp)
             run.log(step, loss, grad_norm=grad_norm)
 
-        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
-                                     last_stage_rank(args.pp, args.schedule),
-                                     mesh["pp"].get_group(), mesh["dp"].get_group(), dp_rank, args.dp,
-                                     stages=stages)
-        run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
+        run.finish(schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages))
 
 

@@ -91,7 +91,8 @@ def main():
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
                   parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp),
                   title=f"Context parallel {cp}" + (" (load-balanced)" if args.load_balance else "")
-                  + (f" x {args.dp} data-parallel groups" if args.dp > 1 else "") + (", FSDP" if args.fsdp else ""))
+                  + (f" x {args.dp} data-parallel groups" if args.dp > 1 else "") + (", FSDP" if args.fsdp else ""),
+                  evaluate=lambda: cp_evaluate(model, corpus.val, args, ctx.device, ring))
         batches = iter(data)
 
         for step in run.steps():
@@ -118,8 +119,7 @@ def main():
                 optimizer.zero_grad(set_to_none=args.fsdp)  # (DDP's gradients are views of its buckets)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)
 
-        val_loss = cp_evaluate(model, corpus.val, args, ctx.device, ring)
-        run.finish(val_loss=val_loss, load_balance=args.load_balance, fsdp=args.fsdp)
+        run.finish(load_balance=args.load_balance, fsdp=args.fsdp)
 
 
 if __name__ == "__main__":

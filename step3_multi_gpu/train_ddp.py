@@ -80,7 +80,8 @@ def main(argv=None):
                   title="Step 3a, " + ("DDP + ZeRO-1" if args.zero1 else "DDP"),
                   parallel={"dp": mesh.size()},
                   ckpt_optimizer=optimizer.optim if args.zero1 else None,
-                  sources=[lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else [])
+                  sources=[lambda: [("optimizer state", optimizer.optim.state)]] if args.zero1 else [],
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -108,7 +109,7 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=False)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def main(argv=None):
         scheduler = lr_schedule(inner, args)
         run = Run(args, ctx, engine.module, inner, scheduler, data, strategy=None,
                   title=f"DeepSpeed ZeRO-{args.zero_stage}", parallel={"dp": ctx.world_size},
-                  sources=[zero_sources(engine)])
+                  sources=[zero_sources(engine)],
+                  evaluate=lambda: evaluate(engine, corpus.val, args, ctx.device))
         # DeepSpeed's own count of its collectives (its comms logger), on the steps whose
         # bytes our counter counts: a second witness to the bytes in summary.json.
         logger = deepspeed.comm.comms_logger
@@ -141,7 +142,7 @@ def main(argv=None):
         logged = {op: {"calls": sum(c[0] for c in sizes.values()) / max(1, run.comm_steps),
                        "bytes": sum(size * c[0] for size, c in sizes.items()) / max(1, run.comm_steps)}
                   for op, sizes in logger.comms_dict.items()}
-        run.finish(val_loss=evaluate(engine, corpus.val, args, ctx.device), zero_stage=args.zero_stage,
+        run.finish(zero_stage=args.zero_stage,
                    deepspeed_comms_logger=logged)
 
 

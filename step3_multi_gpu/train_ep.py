@@ -81,7 +81,8 @@ def main(argv=None):
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="ep", predict=dict(ep=ep),
-                  parallel={"dp": ctx.world_size, "ep": ep}, title=f"Expert parallel {ep} (dense part FSDP)")
+                  parallel={"dp": ctx.world_size, "ep": ep}, title=f"Expert parallel {ep} (dense part FSDP)",
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -107,7 +108,7 @@ def main(argv=None):
                     aux_loss=global_loss(aux_loss, dp_size=ctx.world_size),
                     tokens_per_expert=torch.stack([moe.tokens_per_expert for moe in moe_layers(model)]))
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device))
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ def main(argv=None):
         # reads its new shards from whichever files hold them.
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, title=f"Step 3a, {what}",
                   strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
-                  parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), predict=dict(shard=args.hsdp and args.hsdp[1]))
+                  parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), predict=dict(shard=args.hsdp and args.hsdp[1]),
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -120,7 +121,7 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
 
-        run.finish(val_loss=evaluate(model, corpus.val, args, ctx.device), **({"float8": float8} if float8 else {}))
+        run.finish(**({"float8": float8} if float8 else {}))
 
 
 if __name__ == "__main__":

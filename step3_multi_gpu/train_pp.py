@@ -92,7 +92,9 @@ def main():
         # the full model's names, so the checkpoint does not depend on the split.
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy="pp", parallel={"pp": pp},
                   title=f"Pipeline parallel ({args.schedule}, {args.microbatches} micro-batches)",
-                  predict=dict(microbatches=args.microbatches, schedule=args.schedule))
+                  predict=dict(microbatches=args.microbatches, schedule=args.schedule),
+                  evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
+                                                     last_stage_rank(pp, args.schedule), stages=stages))
         batches = iter(data)
         timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
         for step in run.steps():
@@ -110,10 +112,8 @@ def main():
             # The last stage's loss (on rank 0 in a V), broadcast: every rank logs the same.
             run.log(step, pipeline_loss(losses, last_stage_rank(pp, args.schedule), ctx.device), grad_norm=grad_norm, **timer.take())
 
-        val_loss = pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
-                                     last_stage_rank(pp, args.schedule), stages=stages)
         bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
-        run.finish(val_loss=val_loss, schedule=args.schedule, microbatches=args.microbatches,
+        run.finish(schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)
 
 

@@ -66,13 +66,14 @@ def main():
         scheduler = lr_schedule(optimizer, args)
         # Each rank saves its shard of every weight (a DTensor) by parameter name: a
         # checkpoint from 4 TP ranks loads on 2, or into DDP / FSDP, and back.
-        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="tp", parallel={"tp": ctx.world_size},
-                  title="Tensor parallel" + (" + sequence parallel" if args.sequence_parallel else ""),
-                  predict=dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel))
-        batches = iter(data)
         # The logits are split over the vocabulary; cross entropy (and its backward) must
         # run under loss_parallel() to work on the shards.
         loss_context = loss_parallel if args.loss_parallel else contextlib.nullcontext
+        run = Run(args, ctx, model, optimizer, scheduler, data, strategy="tp", parallel={"tp": ctx.world_size},
+                  title="Tensor parallel" + (" + sequence parallel" if args.sequence_parallel else ""),
+                  predict=dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),
+                  evaluate=lambda: evaluate(model, corpus.val, args, ctx.device, loss_context))
+        batches = iter(data)
 
         for step in run.steps():
             with run.step(step):
@@ -94,9 +95,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, step_loss, grad_norm=grad_norm)  # every rank saw the whole batch: no averaging
 
-        with loss_context():
-            val_loss = evaluate(model, corpus.val, args, ctx.device)
-        run.finish(val_loss=val_loss, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+        run.finish(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ COMMON = ["--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len",
           "--amp", "off"]  # fp32: the parity to ~1e-7 is an fp32 claim (bf16 cases say --amp bf16)
 QUIET = COMMON + ["--no-trace-memory"]
 TRACED = COMMON + ["--trace-start", "1", "--trace-steps", "1"]  # memory measured in one step
+CURVE = ["--eval-every", "2", "--eval-batches", "2"]  # the validation loss after steps 1 and 3
 TP, PP = "step3_multi_gpu/train_tp.py", "step3_multi_gpu/train_pp.py"
 TWO_D, THREE_D = "step3_multi_gpu/train_2d.py", "step3_multi_gpu/train_3d.py"
 
@@ -51,9 +52,9 @@ def case(name, script, *flags, base=QUIET, error=None):
 CASES = {
     2: [
         case("tp2", TP, "--model", "debug", base=TRACED),
-        case("tp2_sp", TP, "--model", "debug", "--sequence-parallel", "--no-loss-parallel"),
+        case("tp2_sp", TP, "--model", "debug", "--sequence-parallel", "--no-loss-parallel", *CURVE),
         case("pp2_gpipe", PP, "--model", "debug", "--schedule", "gpipe", "--microbatches", "4"),
-        case("pp2_1f1b", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2"),
+        case("pp2_1f1b", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", *CURVE),
         case("pp2_interleaved", PP, "--model", "debug", "--schedule", "interleaved1f1b", "--microbatches", "4",
              "--eval-batches", "1"),
         case("pp2_uneven", PP, "--model", "debug", "--n-layers", "5", "--schedule", "1f1b", "--microbatches", "4",
@@ -64,7 +65,7 @@ CASES = {
         case("pp2_ac", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--ac", "selective"),
         # the zero-bubble V schedules: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zbv with full AC,
         # which must survive a backward run in two halves)
-        case("pp2_zbv", PP, "--model", "debug", "--schedule", "zbv", "--microbatches", "4", "--ac", "full"),
+        case("pp2_zbv", PP, "--model", "debug", "--schedule", "zbv", "--microbatches", "4", "--ac", "full", *CURVE),
         case("pp2_dualpipev", PP, "--model", "debug", "--schedule", "dualpipev", "--microbatches", "4",
              "--eval-batches", "1"),
         case("err_pp_dualpipev", PP, "--model", "debug", "--schedule", "dualpipev", "--microbatches", "2",
@@ -99,7 +100,7 @@ CASES = {
         case("pp4_dualpipev", PP, "--model", "debug", "--n-layers", "9", "--schedule", "dualpipev", "--microbatches",
              "8", "--global-batch-size", "8", "--seq-len", "16"),
         case("2d", TWO_D, "--model", "debug", "--tp", "2", base=TRACED),
-        case("2d_ac_accum", TWO_D, "--model", "debug", "--tp", "2", "--ac", "selective", "--grad-accum", "2"),
+        case("2d_ac_accum", TWO_D, "--model", "debug", "--tp", "2", "--ac", "selective", "--grad-accum", "2", *CURVE),
         case("bf16_2d", TWO_D, "--model", "debug", "--tp", "2", "--amp", "bf16", "--ac", "full"),
         case("err_tp_heads", TP, "--model", "debug",
              error="the model's n_kv_heads (2) is not divisible by the tensor-parallel degree 4; choose a degree "
@@ -135,7 +136,7 @@ CASES = {
         case("3d_pp_tp", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2"),
         case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
-             "--schedule", "gpipe"),
+             "--schedule", "gpipe", *CURVE),
         case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
              "--schedule", "gpipe", "--amp", "bf16", "--ac", "full", base=TRACED),
         case("err_3d_shape", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "2",
@@ -214,6 +215,23 @@ def test_parity_with_single_process(runs, n, name):
     # none is further apart than two Adam trajectories can get (adam_drift_bound).
     assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
     assert r["weight_max_abs_diff"] <= adam_drift_bound(), r["weight_max_abs_diff"]
+
+
+CURVES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if "--eval-every" in c["flags"]]
+
+
+@pytest.mark.parametrize("n,name", CURVES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in CURVES])
+def test_the_validation_curve_is_the_single_process_one(runs, n, name):
+    """--eval-every 2: the held-out loss after steps 1 and 3 through the pipeline (1F1B's
+    forward-only schedule, a V's stages in order, 3-D's replicas each on their share),
+    under TP (loss_parallel's split logits, and without it) and 2-D: one process's, to
+    fp32 parity. The last one is the run's val_loss, not measured twice."""
+    r = result(runs, n, name)
+    assert r["exit_code"] == 0, r["stderr_tail"]
+    assert sorted(r["val_losses"]) == sorted(r["ref_val_losses"]) == ["1", "3"]
+    for step, ref in r["ref_val_losses"].items():
+        assert math.isclose(r["val_losses"][step], ref, rel_tol=1e-5), f"step {step}: {r['val_losses'][step]} vs {ref}"
+    assert r["summary"]["val_loss"] == r["val_losses"]["3"]
 
 
 @pytest.mark.parametrize("n,name", BF16_CASES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in BF16_CASES])

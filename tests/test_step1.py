@@ -183,3 +183,56 @@ def test_eval_batches_stop_after_one_pass_over_the_held_out_text(monkeypatch, tm
     assert "--eval-batches 1000000000: the held-out text holds" in capsys.readouterr().out
     args.eval_batches = 3
     assert eval_batch_count(val, args) == 3
+
+
+def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard scalars in folder/tensorboard, read back as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_and_the_validation_curve_follow_metrics_jsonl_through_a_resume(monkeypatch, tmp_path):
+    """--tensorboard: metrics.jsonl's numbers as scalars (TensorBoard keeps float32), each
+    step once; --eval-every 2: the held-out loss after steps 1 and 3, the last one the run's
+    val_loss; at the end, the traced peak by category. A run resumed from step 1's checkpoint
+    redoes steps 2 and 3: the event files again hold each step once, and the curve goes on
+    as the uninterrupted run's, bit for bit."""
+    import shutil
+
+    import numpy as np
+    f32 = lambda v: float(np.float32(v))  # noqa: E731
+    argv = [*QUIET, "--steps", "4", "--ckpt-every", "2", "--tensorboard", "--eval-every", "2", "--eval-batches", "1",
+            "--out", str(tmp_path)]
+
+    def check(rows, traced):
+        scalars = _scalars(tmp_path)
+        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_bytes"):
+            assert scalars[key] == [(r["step"], f32(r[key])) for r in rows], key
+        assert scalars["val_loss"] == [(r["step"], f32(r["val_loss"])) for r in rows if "val_loss" in r]
+        if traced:
+            assert scalars["peak_mem_bytes/rank0/parameters"] == [(3, 4 * count_params(get_config("debug")))]
+
+    assert _main(monkeypatch, [*argv, "--trace-memory", "--trace-steps", "1"])[0] == 0
+    first = _metrics(tmp_path)
+    assert [r["step"] for r in first if "val_loss" in r] == [1, 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["val_loss"] == first[3]["val_loss"]
+    check(first, traced=True)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")  # resume from step 1's checkpoint
+    assert _main(monkeypatch, [*argv, "--resume"])[0] == 0
+    again = _metrics(tmp_path)
+    assert [(r["loss"], r.get("val_loss")) for r in again] == [(r["loss"], r.get("val_loss")) for r in first]
+    check(again, traced=False)
+
+
+def test_tensorboard_missing_is_one_sentence(monkeypatch, tmp_path, capsys):
+    """Only --tensorboard needs the package: without it, the sentence with the pip command, before any work."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    code, _ = _main(monkeypatch, [*QUIET, "--steps", "2", "--tensorboard", "--out", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == ("error: --tensorboard needs the tensorboard package, which is not "
+                                               "installed; run pip install tensorboard, or drop --tensorboard.")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0  # the tutorial runs without it

@@ -29,13 +29,14 @@ BYTE_RUNS = FP32_RUNS[:8]  # the runs whose bytes the formulas are held to
 def _plan(batch: int, *runs: str) -> dict:
     b = ["--global-batch-size", str(batch)]
     fp32 = b + ["--amp", "off"]  # step 3 computes in bf16 by default; parity to 1e-5 is an fp32 claim
+    curve = ["--eval-every", "2", "--eval-batches", "2"]  # the validation loss after steps 1 and 3
     known = {
-        "reference": ["step1", b + ["--no-trace-memory"]],
+        "reference": ["step1", b + ["--no-trace-memory"] + curve],
         "reference_bf16": ["step2_amp", b + ["--no-trace-memory"]],  # one device, autocast bf16
-        "ddp": ["ddp", fp32],
+        "ddp": ["ddp", fp32 + curve],
         "ddp_accum": ["ddp", fp32 + ["--grad-accum", "2", "--no-trace-memory"]],
         "zero1": ["ddp", fp32 + ["--zero1"]],
-        "fsdp_zero3": ["fsdp", fp32],
+        "fsdp_zero3": ["fsdp", fp32 + curve],
         "fsdp_zero2": ["fsdp", fp32 + ["--no-reshard-after-forward"]],
         "fsdp_accum": ["fsdp", fp32 + ["--grad-accum", "2", "--no-trace-memory"]],
         "hsdp": ["fsdp", fp32 + ["--hsdp", "2", "2"]],
@@ -147,6 +148,21 @@ def test_every_strategy_matches_the_single_process_run(job):
         # a weight by up to ~lr; all else agrees to ~1e-7.
         assert run["weights"]["max_abs"] < 1e-5, (name, run["weights"])
         assert run["summary"]["world_size"] == job["world"]
+
+
+def test_the_validation_curve_is_the_single_process_one(job):
+    """--eval-every 2: the held-out loss after steps 1 and 3, measured by every rank on the
+    same held-out batches whatever the split, the one process's to fp32 parity; the last
+    one is the run's val_loss. The same runs' bytes and memory (tests above) show that
+    evaluating between steps leaves the traced and counted steps as they were (FSDP's root,
+    left gathered by a forward without backward, is sharded again)."""
+    ref = job["reference"]["val_losses"]
+    assert sorted(ref) == ["1", "3"] and ref["3"] == job["reference"]["summary"]["val_loss"]
+    for name in ("ddp", "fsdp_zero3"):
+        got = job[name]["val_losses"]
+        assert sorted(got) == ["1", "3"], name
+        assert [got[s] for s in ("1", "3")] == pytest.approx([ref[s] for s in ("1", "3")], rel=1e-5, abs=0), name
+        assert job[name]["summary"]["val_loss"] == got["3"], name
 
 
 def test_the_trace_has_every_rank(job):

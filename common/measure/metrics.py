@@ -3,7 +3,10 @@
 Outputs in ``--out`` (rank 0 writes them; every rank's numbers are in them):
 - ``metrics.jsonl``: one line per optimizer step: step, loss (the global-batch mean),
   lr, step_time_s, tokens_per_s, peak_mem_bytes (+ its source), mfu where known, traced;
-- ``summary.json``: the run in one object, including per-rank peak memory by category.
+- ``summary.json``: the run in one object, including per-rank peak memory by category;
+- with ``--tensorboard``, ``tensorboard/``: the numbers of metrics.jsonl as TensorBoard
+  scalars under the same names (``tensorboard --logdir runs`` shows every run's), and
+  each rank's peak memory by category at the end.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from common.cli import saver_label
+from common.errors import UserError
 from common.measure import syncs
 from common.measure.memory import CATEGORIES, fmt_bytes
 from common.measure.syncs import HostCopy
@@ -55,6 +59,21 @@ def cpu_name() -> str:
     return "CPU"
 
 
+# What --tensorboard draws of each metrics.jsonl row, under the same names.
+SCALARS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
+
+
+def tensorboard_writer():
+    """TensorBoard's SummaryWriter class, or the sentence naming the package it needs
+    (only --tensorboard needs it: the tutorial runs without it)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package, which is not installed; run "
+                        "pip install tensorboard, or drop --tensorboard.") from None
+    return SummaryWriter
+
+
 def peak_memory(device: torch.device) -> tuple[int, str]:
     """The step's peak memory: the CUDA allocator's, or the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -77,6 +96,10 @@ class Metrics:
         self._t = None  # the previous step's end (see _write)
         self._pending = None  # (row, HostCopy, end) of the step whose numbers are not read yet
         self._jsonl = None
+        self.last_val = None  # (step, val_loss) of the newest evaluation during training
+        # --tensorboard (cli.parse has checked for the package): rank 0 writes
+        self._tb_class = tensorboard_writer() if getattr(args, "tensorboard", False) else None
+        self._tb = None
 
     def progress(self, start: int = 0):
         """Step numbers start..steps-1, with a progress bar on rank 0 only.
@@ -93,6 +116,15 @@ class Metrics:
                 self.rows = [json.loads(line) for line in kept]
             self._jsonl = open(path, "w")
             self._jsonl.writelines(line + "\n" for line in kept)
+            if self._tb_class is not None:
+                # The event files are rewritten like metrics.jsonl: an earlier run's into this
+                # --out go (TensorBoard would draw both), a resumed run writes the kept rows again.
+                folder = self.args.out / "tensorboard"
+                for old in folder.glob("events.out.tfevents.*"):
+                    old.unlink()
+                self._tb = self._tb_class(log_dir=str(folder))
+                for row in self.rows:
+                    self._scalars(row)
         self.bar = tqdm(range(start, self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
                         unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()
@@ -125,13 +157,18 @@ class Metrics:
     def _start(self):
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
-            self._t = torch.cuda.Event(enable_timing=True)
-            self._t.record()
-        else:
-            self._t = time.perf_counter()
+        self._t = self._now()
+
+    def _now(self):
+        """A point on the clock the step times are read from: an event queued on the GPU, or the host's time."""
+        if self.ctx.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def log(self, step: int, loss: torch.Tensor | float, traced: bool = False, now: bool = False,
-            **extra) -> list[dict]:
+            evaluate=None, **extra) -> list[dict]:
         """Record one optimizer step (call it before the LR scheduler steps); return the rows
         that became known, in step order.
 
@@ -141,7 +178,12 @@ class Metrics:
         while the GPU works on this one. Asking for this step's value now (``.item()``)
         would leave the GPU idle while the host queues the next step. ``now``: read this
         step's numbers as well (a checkpoint must not save a step whose loss is not finite);
-        the last step's are always read at once."""
+        the last step's are always read at once.
+
+        ``evaluate``: a callable giving the held-out loss, logged as this step's ``val_loss``.
+        It runs after this step's end is taken and before the next step's clock starts, and
+        the peak memory is reset after it: its time and memory count in no step. It reads
+        its loss on the host anyway, so this step's numbers are read at once too."""
         tensors = {k: v for k, v in {"loss": loss, **extra}.items() if isinstance(v, torch.Tensor)}
         copy = HostCopy(tensors, self.ctx.device)
         # Where this step's work ends: the event after it, or on a CPU, which has done the work, now
@@ -152,11 +194,19 @@ class Metrics:
         row = {"step": step, "loss": None if "loss" in tensors else float(loss), "lr": lr, "step_time_s": None,
                "tokens_per_s": None, "peak_mem_bytes": mem, "peak_mem_source": mem_source, "traced": traced,
                **{k: None if k in tensors else v for k, v in extra.items()}}
+        if evaluate is not None:
+            val = evaluate()
+            if val is not None:
+                row["val_loss"] = val
+                self.last_val = (step, val)
+            resume = self._now()
         done = [self._write(*self._pending)] if self._pending else []
         self._pending = (row, copy, end)
-        if now or step == self.args.steps - 1:
+        if now or evaluate is not None or step == self.args.steps - 1:
             done.append(self._write(row, copy, end))
             self._pending = None
+        if evaluate is not None:
+            self._t = resume  # the next step starts after the evaluation
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         return done
@@ -179,9 +229,20 @@ class Metrics:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
             norm = {"grad_norm": f"{row['grad_norm']:.3f}"} if "grad_norm" in row else {}
-            self.bar.set_postfix(loss=f"{row['loss']:.3f}", **norm, tok_s=f"{row['tokens_per_s']:,.0f}",
+            val = {"val_loss": f"{self.last_val[1]:.3f}"} if self.last_val else {}  # the newest measured
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", **val, **norm, tok_s=f"{row['tokens_per_s']:,.0f}",
                                  refresh=False)
+            self._scalars(row)
         return row
+
+    def _scalars(self, row: dict):
+        """--tensorboard: a row's numbers as scalars named as in metrics.jsonl, at its step."""
+        if self._tb is None:
+            return
+        for key in SCALARS:
+            if row.get(key) is not None:
+                self._tb.add_scalar(key, row[key], row["step"])
+        self._tb.flush()  # like metrics.jsonl's line: on disk as the step ends
 
     def flush(self) -> list[dict]:
         """The row still waiting for its numbers, if any (a loop left before its last step)."""
@@ -229,6 +290,14 @@ class Metrics:
             **extra,
         }
         (self.args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self._tb is not None:  # the peak of each category, per rank, at the last step
+            last = self.rows[-1]["step"]
+            for m in summary["memory"]:
+                for category, nbytes in m["peak_by_category"].items():
+                    self._tb.add_scalar(f"peak_mem_bytes/rank{m['rank']}/{category.replace(' ', '_')}", nbytes, last)
+            if val_loss is not None and "val_loss" not in self.rows[-1]:  # measured after the loop
+                self._tb.add_scalar("val_loss", val_loss, last)
+            self._tb.close()
         self._print_table(summary)
         return summary
 

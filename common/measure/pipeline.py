@@ -31,9 +31,12 @@ class ComputeTimer:
         self.cuda = torch.device(device).type == "cuda"
         self._sync = (lambda: torch.cuda.synchronize(device)) if self.cuda else (lambda: None)
         self._pending: list = []  # CUDA: this step's [kind, stage, micro-batch, start event, end event]
-        step = schedule.step
+        step, forward_only = schedule.step, getattr(schedule, "eval", None)
+        self._untimed = False  # in a validation pass (schedule.eval runs through step): not the step's work
 
         def timed_step(*args, **kwargs):
+            if self._untimed:
+                return step(*args, **kwargs)
             self._sync()
             self.start = time.time()
             if self.cuda:
@@ -45,6 +48,14 @@ class ComputeTimer:
                 self.end = time.time()
                 self._read_events()
         schedule.step = timed_step
+        if forward_only is not None:
+            def untimed_eval(*args, **kwargs):
+                self._untimed = True
+                try:
+                    return forward_only(*args, **kwargs)
+                finally:
+                    self._untimed = False
+            schedule.eval = untimed_eval
         self.actions: list[list] = []  # this step's [kind, stage, micro-batch, start, end]
         self.timelines: dict[float, list[list]] = {}  # every step's, by its pipeline_start
         for stage in stages:
@@ -54,6 +65,8 @@ class ComputeTimer:
 
     def _timed(self, fn, name: str, stage_index: int):
         def run(*args, **kwargs):
+            if self._untimed:
+                return fn(*args, **kwargs)
             # What the schedule asked for: a forward "F"; a whole backward "B"; or, in the
             # zero-bubble schedules, its two halves: "I" (the gradient for the previous stage,
             # on the critical path) and "W" (the weights' gradients, which can wait).

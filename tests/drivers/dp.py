@@ -109,6 +109,7 @@ def main(out_json: str, plan: str):
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             entry["losses"] = [r["loss"] for r in rows]
             entry["grad_norms"] = [r["grad_norm"] for r in rows]
+            entry["val_losses"] = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}  # --eval-every
             entry["summary"] = json.loads((out / "summary.json").read_text())
             if (out / "profile").exists():  # --profile: the traces, the collectives they hold, the figure
                 entry["profile_traces"] = sorted(p.name for p in (out / "profile").iterdir())

@@ -28,7 +28,7 @@ from common import cli  # noqa: E402
 from common.data import Batches, load_corpus  # noqa: E402
 from common.model import build_model  # noqa: E402
 from tools.multirun import run_script  # noqa: E402
-from common.training import adamw, clip_grad_norm, lr_schedule  # noqa: E402
+from common.training import adamw, clip_grad_norm, evaluate, lr_schedule  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 
@@ -43,8 +43,8 @@ def reference(flags: list[str], amp: str = "off") -> dict:
     model = build_model(args.model_config, "cpu", seed=args.seed)
     optimizer = adamw(model.parameters(), args)
     scheduler = lr_schedule(optimizer, args)
-    losses, norms = [], []
-    for _ in range(args.steps):
+    losses, norms, vals = [], [], {}
+    for step in range(args.steps):
         x, y = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -54,11 +54,13 @@ def reference(flags: list[str], amp: str = "off") -> dict:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            vals[step] = evaluate(model, corpus.val, args, "cpu")  # as Run does with --eval-every
+    return {"losses": losses, "grad_norms": norms, "val_losses": vals, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 SHARED = {"--model", "--n-layers", "--steps", "--global-batch-size", "--seq-len", "--lr", "--warmup-steps",
-          "--seed", "--data", "--max-norm", "--n-experts", "--aux-loss-weight"}
+          "--seed", "--data", "--max-norm", "--n-experts", "--aux-loss-weight", "--eval-every", "--eval-batches"}
 
 
 def last_value(flags: list[str], name: str, default: str) -> str:
@@ -98,6 +100,8 @@ def main():
             res["losses"] = [r["loss"] for r in rows]
             res["ref_losses"] = ref["losses"]
             res["grad_norms"] = [r["grad_norm"] for r in rows]
+            res["val_losses"] = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+            res["ref_val_losses"] = ref["val_losses"]
             res["ref_grad_norms"] = ref["grad_norms"]
             res["summary"] = json.loads((case_out / "summary.json").read_text())
             weights = case_out / "weights.pt"
