@@ -35,11 +35,26 @@ from common.model import PRESETS, ModelConfig, Transformer, apply_rope, rope_tab
 
 # ---- loading any run's weights ---------------------------------------------------------------
 @dataclass
-class Trained:
-    model: Transformer
+class Weights:
+    """Where a run's weights are and what they are, known before a byte of them is read."""
+    source: Path      # weights.pt (or an export file), or a checkpoint folder
+    cfg: ModelConfig
     context: int      # positions the run trained on: its --seq-len (the most a prompt may be)
-    source: Path      # the file or checkpoint the weights came from
     name: str         # the run's --model preset
+
+
+@dataclass
+class Trained(Weights):
+    model: Transformer = None
+
+
+def find_weights(path) -> Weights:
+    """The weights of a run folder (the newer of weights.pt and the newest checkpoint), of a
+    weights file, or of one checkpoint folder; one sentence if there are none."""
+    source, settings = _weights_source(Path(path))
+    cfg = ModelConfig(**settings["model_config"])
+    context = min(int(settings.get("seq_len") or cfg.max_seq_len), cfg.max_seq_len)
+    return Weights(source, cfg, context, settings.get("model", "?"))
 
 
 def _weights_source(path: Path) -> tuple[Path, dict]:
@@ -108,20 +123,19 @@ def load_state(source: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def load_trained(path, device="cpu", dtype: torch.dtype = torch.float32) -> Trained:
-    """The trained model of a run folder (or weights file, or checkpoint), ready for inference."""
-    source, settings = _weights_source(Path(path))
-    cfg = ModelConfig(**settings["model_config"])
-    state = load_state(source, cfg)
+    """The trained model of a run folder, weights file or checkpoint (or of ``find_weights``'
+    answer), ready for inference."""
+    found = path if isinstance(path, Weights) else find_weights(path)
+    state = load_state(found.source, found.cfg)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(found.cfg)
     model.to_empty(device=device)
     model.load_state_dict(state)
-    cos, sin = rope_tables(cfg, device)  # not saved: a function of the config
+    cos, sin = rope_tables(found.cfg, device)  # not saved: a function of the config
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     model.to(dtype).eval()
-    context = min(int(settings.get("seq_len") or cfg.max_seq_len), cfg.max_seq_len)
-    return Trained(model, context, source, settings.get("model", "?"))
+    return Trained(found.source, found.cfg, found.context, found.name, model)
 
 
 # ---- the KV cache ----------------------------------------------------------------------------

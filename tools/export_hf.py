@@ -24,17 +24,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from common.errors import UserError, main_guard
-from common.generate import encode, load_trained
+from common.generate import encode, find_weights, load_trained
 from common.hf import byte_tokenizer, from_hf_state_dict, llama_config, model_config, refuse_moe, require, to_hf_state_dict
 from common.model import Transformer
 
 
 def export(run, out) -> Path:
     """Write the run's model as a transformers Llama folder; return the folder."""
+    found = find_weights(run)
+    refuse_moe(found.cfg)
     safetensors = require("safetensors.torch")
-    trained = load_trained(run)  # fp32 on the CPU, whatever the run trained in
-    cfg = trained.model.cfg
-    refuse_moe(cfg)
+    trained = load_trained(found)  # fp32 on the CPU, whatever the run trained in
+    cfg = trained.cfg
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -64,11 +65,11 @@ def compare(run, folder, text: str = "def fib(n):\n    return") -> float:
 
 def import_hf(folder, dest) -> Path:
     """A transformers Llama folder back into one file of our weights."""
-    safetensors = require("safetensors.torch")
-    transformers = require("transformers")
     folder, dest = Path(folder), Path(dest)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise UserError(f"--import {folder} is not an exported model: it needs config.json and model.safetensors.")
+    safetensors = require("safetensors.torch")
+    transformers = require("transformers")
     hf_config = transformers.AutoConfig.from_pretrained(folder)
     if hf_config.model_type != "llama":
         raise UserError(f"--import {folder} holds a {hf_config.model_type!r} model; only Llama models map onto ours.")

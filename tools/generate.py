@@ -21,7 +21,7 @@ import torch
 
 from common.distributed import resolve_device
 from common.errors import UserError, main_guard
-from common.generate import decode, encode, generate, load_trained
+from common.generate import decode, encode, find_weights, generate, load_trained
 from common.training import AMP_DTYPES, amp_unsupported
 
 
@@ -66,11 +66,11 @@ def main(argv=None):
     why = amp_unsupported(device, args.amp)
     if why:
         raise UserError(why)
-    trained = load_trained(args.run, device, AMP_DTYPES[args.amp] or torch.float32)
-    prompt = encode(args.prompt)
-    if len(prompt) > trained.context:
-        raise UserError(f"--prompt is {len(prompt)} bytes, longer than the {trained.context} positions the model "
+    found, prompt = find_weights(args.run), encode(args.prompt)
+    if len(prompt) > found.context:
+        raise UserError(f"--prompt is {len(prompt)} bytes, longer than the {found.context} positions the model "
                         f"was trained on (its --seq-len); give a shorter prompt.")
+    trained = load_trained(found, device, AMP_DTYPES[args.amp] or torch.float32)
     tokens, seconds = generate(trained.model, torch.tensor([prompt], device=device), args.max_new_tokens,
                                trained.context, args.temperature, args.top_k, args.seed, kv_cache=args.kv_cache)
     new = tokens[0, len(prompt):].tolist()
