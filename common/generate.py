@@ -57,6 +57,14 @@ def find_weights(path) -> Weights:
     return Weights(source, cfg, context, settings.get("model", "?"))
 
 
+def require_bytes(found: Weights) -> None:
+    """Text is bytes: a model of another vocabulary (--vocab-size) learned random ids, not text."""
+    if found.cfg.vocab_size != 256:
+        raise UserError(f"{found.source} holds a model of {found.cfg.vocab_size} token ids (--vocab-size), trained on "
+                        f"random ids, not on text's 256 byte values: it has no text to give; use a run of the byte "
+                        f"vocabulary.")
+
+
 def _weights_source(path: Path) -> tuple[Path, dict]:
     """(weights.pt or a checkpoint folder, the run's settings: model, model_config, seq_len)."""
     from common.checkpoint import complete_checkpoints, read_meta

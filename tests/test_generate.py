@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,9 +108,10 @@ def test_cached_and_uncached_generation_give_the_same_tokens(taught):
 
 
 def test_past_the_context_the_cache_starts_again_from_a_window(taught):
-    """A text longer than the context: positions never pass it (the RoPE tables would end)."""
-    tokens, _ = generate(taught, _prompt(), 3 * SEQ, SEQ)
-    assert tokens.shape == (1, len(PROMPT) + 3 * SEQ)
+    """A text longer than the context (the cache's buffers would overflow): once full, the
+    cache restarts from the last half of the context, and the text goes on as trained."""
+    tokens, _ = generate(taught, _prompt(), SEQ, SEQ)
+    assert decode(tokens[0]) == (TEXT * 3)[:len(PROMPT) + SEQ]
 
 
 def _tool(main, argv) -> tuple[int, str, str]:
@@ -171,8 +173,12 @@ def test_export_to_transformers_and_back(run_folder, taught, tmp_path):
     assert load_trained(tmp_path / "back.pt").name == "debug"  # tools.generate reads it too
 
 
-def test_moe_export_and_missing_libraries_are_one_sentence(tmp_path):
+def test_moe_export_other_vocabularies_and_missing_libraries_are_one_sentence(tmp_path):
+    from common.generate import Weights, require_bytes
     from common.hf import require, to_hf_state_dict
+    with pytest.raises(UserError, match=r"^run/weights.pt holds a model of 1000 token ids \(--vocab-size\), trained on "
+                                        r"random ids, not on text's 256 byte values"):
+        require_bytes(Weights(Path("run/weights.pt"), get_config("debug", vocab_size=1000), 32, "debug"))
     cfg = get_config("debug-moe")
     with pytest.raises(UserError, match=r"^this model is a mixture of experts \(8 experts\), which transformers' "
                                         r"Llama cannot hold; export a dense preset's run\.$"):

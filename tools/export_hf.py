@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from common.errors import UserError, main_guard
-from common.generate import encode, find_weights, load_trained
+from common.generate import encode, find_weights, load_trained, require_bytes
 from common.hf import byte_tokenizer, from_hf_state_dict, llama_config, model_config, refuse_moe, require, to_hf_state_dict
 from common.model import Transformer
 
@@ -33,6 +33,7 @@ def export(run, out) -> Path:
     """Write the run's model as a transformers Llama folder; return the folder."""
     found = find_weights(run)
     refuse_moe(found.cfg)
+    require_bytes(found)  # the tokenizer is the bytes'
     safetensors = require("safetensors.torch")
     trained = load_trained(found)  # fp32 on the CPU, whatever the run trained in
     cfg = trained.cfg

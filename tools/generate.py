@@ -21,7 +21,7 @@ import torch
 
 from common.distributed import resolve_device
 from common.errors import UserError, main_guard
-from common.generate import decode, encode, find_weights, generate, load_trained
+from common.generate import decode, encode, find_weights, generate, load_trained, require_bytes
 from common.training import AMP_DTYPES, amp_unsupported
 
 
@@ -67,6 +67,7 @@ def main(argv=None):
     if why:
         raise UserError(why)
     found, prompt = find_weights(args.run), encode(args.prompt)
+    require_bytes(found)
     if len(prompt) > found.context:
         raise UserError(f"--prompt is {len(prompt)} bytes, longer than the {found.context} positions the model "
                         f"was trained on (its --seq-len); give a shorter prompt.")
