@@ -92,7 +92,7 @@ def _weights_source(path: Path) -> tuple[Path, dict]:
     except (OSError, json.JSONDecodeError):
         settings = {}
     if "model_config" not in settings:  # an export or import file carries its config
-        saved = torch.load(plain, map_location="cpu", weights_only=True)
+        saved = _read(plain)
         if "model_config" in saved:
             cfg = saved["model_config"]
             name = next((n for n, c in PRESETS.items() if c.as_dict() == cfg), "custom")
@@ -101,6 +101,15 @@ def _weights_source(path: Path) -> tuple[Path, dict]:
         raise UserError(f"{plain} has no summary.json beside it to say which model it holds; keep the run's "
                         f"--out folder whole.")
     return plain, settings
+
+
+def _read(path: Path) -> dict:
+    """A torch.save file of tensors (weights_only: a file from elsewhere runs no code)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file, said plainly
+        raise UserError(f"{path} cannot be read as a file of weights ({type(e).__name__}); give the weights.pt "
+                        f"of a finished run.") from None
 
 
 def load_state(source: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -112,7 +121,7 @@ def load_state(source: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         model = Transformer(cfg)
     want = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
     if source.is_file():
-        state = torch.load(source, map_location="cpu", weights_only=True)
+        state = _read(source)
         state = state.get("model", state)  # export's file: {"model_config", "step", "model"}
     else:
         state = {"model": want}

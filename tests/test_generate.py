@@ -186,3 +186,7 @@ def test_moe_export_other_vocabularies_and_missing_libraries_are_one_sentence(tm
     with pytest.raises(UserError, match=r"^this needs the no_such_lib package, which is not installed: pip install "
                                         r"no_such_lib \(or pip install -r requirements.txt\)\.$"):
         require("no_such_lib.torch")
+    (tmp_path / "weights.pt").write_bytes(b"half a file")  # a copy cut short
+    with pytest.raises(UserError, match=r"weights.pt cannot be read as a file of weights \(\w+\); give the weights.pt "
+                                        r"of a finished run\.$"):
+        load_trained(tmp_path / "weights.pt")

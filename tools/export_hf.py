@@ -14,7 +14,6 @@ row order included, is in common/hf.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,8 @@ import torch
 
 from common.errors import UserError, main_guard
 from common.generate import encode, find_weights, load_trained, require_bytes
-from common.hf import byte_tokenizer, from_hf_state_dict, llama_config, model_config, refuse_moe, require, to_hf_state_dict
+from common.hf import (byte_tokenizer, from_hf_state_dict, llama_config, model_config, refuse_moe, require,
+                       to_hf_state_dict)
 from common.model import Transformer
 
 
@@ -76,8 +76,8 @@ def import_hf(folder, dest) -> Path:
         raise UserError(f"--import {folder} holds a {hf_config.model_type!r} model; only Llama models map onto ours.")
     cfg = model_config(hf_config)
     state = from_hf_state_dict(safetensors.load_file(str(folder / "model.safetensors")), cfg)
-    with torch.device("meta"):
-        Transformer(cfg).load_state_dict(state, strict=True, assign=True)  # every name and shape, before anything is written
+    with torch.device("meta"):  # every name and shape checked before anything is written
+        Transformer(cfg).load_state_dict(state, strict=True, assign=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
     torch.save({"model_config": cfg.as_dict(), "step": None, "model": state}, partial)

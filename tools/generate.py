@@ -75,9 +75,9 @@ def main(argv=None):
     tokens, seconds = generate(trained.model, torch.tensor([prompt], device=device), args.max_new_tokens,
                                trained.context, args.temperature, args.top_k, args.seed, kv_cache=args.kv_cache)
     new = tokens[0, len(prompt):].tolist()
-    print(f"{trained.name} model from {trained.source}, {device.type}, "
-          f"{'fp32' if args.amp == 'off' else args.amp}, "
-          + ("greedy:" if args.temperature == 0 else f"temperature {args.temperature:g}, top-k {args.top_k}, seed {args.seed}:"), flush=True)
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, top-k {args.top_k}, seed {args.seed}"
+    print(f"{trained.name} model from {trained.source}, {device.type}, {'fp32' if args.amp == 'off' else args.amp}, "
+          f"{how}:", flush=True)
     print(args.prompt + decode(new), flush=True)
     print(f"{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:,.0f} tokens/s "
           f"({'KV cache' if args.kv_cache else 'no KV cache'})", flush=True)
