@@ -157,7 +157,7 @@ TWO_NODES = {
 R = B3 + C + ["--resume"]
 ELASTIC = {
     "ddp": {"script": "ddp", "flags": B3 + C},
-    "fsdp": {"script": "fsdp", "flags": B3 + C},
+    "fsdp": {"script": "fsdp", "flags": B3 + C + ["--save-weights"]},  # (and its weights, for tools.generate)
     "ddp_fault": {"script": "ddp", "flags": R + ["--fail-at-step", "4"]},
     "fsdp_fault": {"script": "fsdp", "flags": R + ["--fail-at-step", "4", "--fail-rank", "1"]},
     # the default bf16 (FSDP's mixed-precision policy): resumed exactly too
@@ -316,6 +316,22 @@ def test_export_gives_one_plain_file(jobs, tmp_path):
     with pytest.raises(UserError, match="not a complete checkpoint"):
         export(str(jobs.folder / "ddp"), str(tmp_path / "y.pt"))
     assert not list(tmp_path.glob("x.pt*")) and not list(tmp_path.glob("y.pt*"))
+
+
+def test_a_sharded_checkpoint_loads_whole_in_one_process_for_generation(jobs):
+    """python -m tools.generate on a 2-rank FSDP run: its last checkpoint, each rank's shards,
+    read into one process with no process group (common/generate.py), holds the weights that
+    --save-weights gathered at the run's end, bit for bit, and continues a prompt alike; the
+    run folder itself gives the newer of the two."""
+    from common.generate import encode, find_weights, generate, load_trained
+    run = jobs.folder / "fsdp"
+    sharded, plain = load_trained(run / "checkpoints" / "step_00000005"), load_trained(run)
+    assert plain.source == run / "weights.pt" and find_weights(run).context == sharded.context == 32
+    a, b = sharded.model.state_dict(), plain.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    prompt = torch.tensor([encode("def fib(")])
+    assert torch.equal(generate(sharded.model, prompt, 20, 32, 0.8, 50)[0],
+                       generate(plain.model, prompt, 20, 32, 0.8, 50)[0])
 
 
 def test_non_utf8_data_trains(jobs):

@@ -138,38 +138,15 @@ def test_lean_model_matches_the_plain_reference_forward_and_backward(n_kv_heads)
 
 
 def test_lean_model_matches_transformers_llama():
-    """Same weights in transformers' LlamaForCausalLM give the same logits (when it is installed)."""
-    transformers = pytest.importorskip("transformers")
+    """Same weights in transformers' LlamaForCausalLM give the same logits: common/hf.py's
+    config and names, RoPE's row order included (tools/export_hf.py uses the same mapping)."""
+    import transformers
+
+    from common.hf import llama_config, to_hf_state_dict
     cfg = get_config("debug")
     model = _model_with_random_gains(cfg)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim))
-
-    def heads_halves(w, n_heads):
-        # We rotate pairs (2i, 2i+1); transformers rotates (i, i + head_dim/2). Reordering
-        # each head's q/k rows accordingly (what Meta-to-HF conversion does) gives the same
-        # attention scores, since q and k are reordered alike.
-        return w.view(n_heads, cfg.head_dim // 2, 2, cfg.dim).transpose(1, 2).reshape(-1, cfg.dim)
-
-    sd = model.state_dict()
-    hf_sd = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
-             "lm_head.weight": sd["output.weight"]}
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        hf_sd |= {
-            theirs + "self_attn.q_proj.weight": heads_halves(sd[ours + "attention.wq.weight"], cfg.n_heads),
-            theirs + "self_attn.k_proj.weight": heads_halves(sd[ours + "attention.wk.weight"], cfg.n_kv_heads),
-            theirs + "self_attn.v_proj.weight": sd[ours + "attention.wv.weight"],
-            theirs + "self_attn.o_proj.weight": sd[ours + "attention.wo.weight"],
-            theirs + "mlp.gate_proj.weight": sd[ours + "feed_forward.w1.weight"],
-            theirs + "mlp.up_proj.weight": sd[ours + "feed_forward.w3.weight"],
-            theirs + "mlp.down_proj.weight": sd[ours + "feed_forward.w2.weight"],
-            theirs + "input_layernorm.weight": sd[ours + "attention_norm.weight"],
-            theirs + "post_attention_layernorm.weight": sd[ours + "ffn_norm.weight"],
-        }
+    hf = transformers.LlamaForCausalLM(llama_config(cfg))
+    hf_sd = to_hf_state_dict(model.state_dict(), cfg)
     missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))

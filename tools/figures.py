@@ -43,7 +43,7 @@ class Run:
 # ---- chapter 1: the single-device baseline --------------------------------------------
 CHAPTER1 = [
     Run("baseline", "step1_single_gpu/train.py",
-        ["--model", "small", "--steps", "30", "--global-batch-size", "8", "--seq-len", "256"],
+        ["--model", "small", "--steps", "30", "--global-batch-size", "8", "--seq-len", "256", "--save-weights"],
         figures={"01_memory_trace_baseline.png": "memory_trace.png"}),
 ]
 
@@ -284,6 +284,25 @@ def chapter1_table(suffix: str = "") -> dict[str, str]:
                  f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.0f} ms/step, loss "
                  f"{s['first_loss']:.2f} -> {s['final_loss']:.2f} in {s['steps']} steps.")
     return {"table-01" + suffix: "\n".join(lines)}
+
+
+# The chapter ends with what its run learned: the generator on its weights, command and output shown.
+GENERATE_01 = ["--prompt", "def fib(", "--max-new-tokens", "200", "--temperature", "0.8", "--top-k", "50", "--seed", "0"]
+
+
+def chapter1_generation(suffix: str = "") -> dict[str, str]:
+    """The baseline run's model continuing a prompt: python -m tools.generate on its weights.pt."""
+    import shlex
+    folder = run_dir("baseline", suffix)
+    if not (folder / "weights.pt").is_file():
+        raise FileNotFoundError(2, "no weights", str(folder / "weights.pt"))
+    args = [str(folder.relative_to(ROOT)), *GENERATE_01, "--device", "cuda" if suffix else "cpu"]
+    p = subprocess.run([sys.executable, "-m", "tools.generate", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    if p.returncode:
+        raise UserError(f"python -m tools.generate failed: {p.stderr.strip()[-300:]}")
+    text = p.stdout.rstrip("\n").replace("```", "`\u200b``")  # a fence in the output must not end the block
+    return {"generate-01" + suffix: f"```bash\npython -m tools.generate {shlex.join(args)}\n```\n\n```text\n{text}\n```"}
 
 
 def chapter3b_table(suffix: str = "") -> dict[str, str]:
@@ -567,7 +586,7 @@ from step3_multi_gpu.ep_tables import write_ep_figures  # noqa: E402
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each
 # draws on the runs above and is redone when --only matches its prefix
-POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
+POST_STEPS = [("01", chapter1_table), ("01", chapter1_generation), ("02", chapter2), ("03", write_chapter3a_table), ("03", chapter3b_table),
               ("03", chapter3_compare), ("03", chapter3_bf16_ac), ("03", dry_run_table), ("03", bubble_table),
               ("03", write_clip_table), ("04", chapter4_tables), ("05", write_faults_table),
               ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table),

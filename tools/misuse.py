@@ -389,6 +389,27 @@ CASES: dict[str, Case] = {
                                        ["tools/deepspeed_compare.py", "--nproc", "1"],
                                        "--nproc must be at least 2: one rank has nothing to shard", "--nproc",
                                        "2 ranks or more"),
+    # ---- using what was trained (python -m tools.generate, python -m tools.export_hf)
+    "generate no weights": Case("`python -m tools.generate` on a run folder that saved no weights",
+                                ["tools/generate.py", "{tmp}", "--device", "cpu"],
+                                "holds no weights: train with --save-weights (OUT/weights.pt) or --ckpt-every N",
+                                "--save-weights", "train with `--save-weights` or `--ckpt-every`, give that `--out`"),
+    "generate long prompt": Case("`python -m tools.generate --prompt` longer than the run's `--seq-len`",
+                                 ["tools/generate.py", "{tmp}/out", "--prompt", "x" * 40, "--device", "cpu"],
+                                 "--prompt is 40 bytes, longer than the 32 positions the model was trained on",
+                                 "--prompt", "a prompt of at most the run's `--seq-len` bytes", setup="checkpoint"),
+    "generate temperature": Case("`python -m tools.generate --temperature -1`",
+                                 ["tools/generate.py", "{tmp}", "--temperature", "-1"],
+                                 "--temperature must be 0 (greedy) or a positive number (got -1.0)", "--temperature",
+                                 "0 for the most likely byte, else a positive temperature"),
+    "export moe": Case("`python -m tools.export_hf` on a mixture-of-experts run",
+                       ["tools/export_hf.py", "{tmp}/moe", "--out", "{tmp}/hf"],
+                       "this model is a mixture of experts (8 experts), which transformers' Llama cannot hold",
+                       "mixture of experts", "export a dense preset's run", setup="moe_weights"),
+    "import not exported": Case("`python -m tools.export_hf --import` of a folder that is no export",
+                                ["tools/export_hf.py", "--import", "{tmp}", "--out", "{tmp}/back.pt"],
+                                "is not an exported model: it needs config.json and model.safetensors", "--import",
+                                "the folder `python -m tools.export_hf RUN --out DIR` wrote"),
 }
 
 
@@ -433,6 +454,17 @@ def live_lock(tmp, cache):
     (tmp / "out").mkdir()
     # the parent of this process: alive, and not this process (whose own lock is taken over)
     (tmp / "out" / ".run.lock").write_text(f"{os.getppid()} {socket.gethostname()}\n")
+
+
+def moe_weights(tmp, cache):
+    """A run folder of the debug-moe model as --save-weights leaves it (untrained weights)."""
+    import torch
+    from common.model import build_model, get_config
+    cfg = get_config("debug-moe")
+    (tmp / "moe").mkdir()
+    torch.save(build_model(cfg, "cpu").state_dict(), tmp / "moe" / "weights.pt")
+    (tmp / "moe" / "summary.json").write_text(json.dumps({"model": "debug-moe", "model_config": cfg.as_dict(),
+                                                         "seq_len": 32}))
 
 
 def bad_summary(tmp, cache):
