@@ -235,7 +235,8 @@ def table(rows: list[dict]) -> str:
         t = r["time"]
         lines.append(f"| {i} | {layout_name(r['plan'])} | {r['peak'] / GiB:.1f} | {t['step'] * 1e3:,.0f} | "
                      + " | ".join(f"{t[k] * 1e3:,.0f}" for k in TERMS)
-                     + f" | {t['tokens_per_s']:,.0f} | {t['tokens_per_s_per_gpu']:,.0f} | {t['mfu']:.1%} |")
+                     + f" | {t['tokens_per_s']:,.0f} | {t['tokens_per_s_per_gpu']:,.0f} | "
+                     + (f"{t['mfu']:.1%} |" if t["mfu"] is not None else "- |"))
     return "\n".join(lines)
 
 
@@ -250,11 +251,14 @@ def plan_text(args) -> str:
                  acs)
     fit, dropped = evaluate(ps, machine, args.compile, args.headroom)
     nodes = max(1, args.gpus // per_node)
-    out = [f"{args.model} ({count_params(cfg) / 1e9:.2f}B parameters), global batch {batch} x {args.seq_len} tokens, "
+    n = count_params(cfg)
+    rate = machine.matmul_rate(args.dtype, args.compile)
+    out = [f"{args.model} ({n / 1e9:.2f}B parameters)" if n >= 1e9 else f"{args.model} ({n / 1e6:.1f}M parameters)"]
+    out[0] += (f", global batch {batch} x {args.seq_len} tokens, "
            f"{args.dtype}{', compiled' if args.compile else ''}, on {args.gpus} x {machine.name} "
            f"({nodes} node{'s' if nodes > 1 else ''} of {min(per_node, args.gpus)}); matmuls at "
-           f"{machine.matmul_rate(args.dtype, args.compile) / 1e12:,.1f} TFLOP/s a GPU, "
-           f"{len(ps)} layouts: {len(fit)} fit, {len(dropped)} dropped"]
+           + (f"{rate / 1e12:,.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s") + " a GPU, "
+           f"{len(ps)} layouts: {len(fit)} fit, {len(dropped)} dropped")
     if not fit:
         out.append("none fits; the closest:")
     else:
@@ -273,6 +277,43 @@ def plan_text(args) -> str:
     return "\n".join(out)
 
 
+def layouts_figure(args, path: Path) -> None:
+    """Every layout that fits, as a bar of its predicted step split into the model's terms,
+    fastest at the top, with its tokens/s a GPU: where the time goes, at a glance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
+    machine = machine_of(args)
+    batch = args.global_batch_size or args.gpus
+    acs = AC_MODES if args.ac == "all" else (args.ac,)
+    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs),
+                      machine, args.compile, args.headroom)
+    colors = dict(zip(TERMS, ("#4C72B0", "#8172B3", "#C44E52", "#CCB974", "#55A868")))
+    fig, ax = plt.subplots(figsize=(11, 0.28 * len(fit) + 1.6))
+    for i, r in enumerate(fit):
+        left = 0.0
+        for k in TERMS:
+            v = r["time"][k]
+            ax.barh(i, v, left=left, color=colors[k], label=k if i == 0 else None)
+            left += v
+        ax.text(left, i, f" {r['time']['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak'] / GiB:.0f} GiB",
+                va="center", fontsize=7)
+    ax.set_yticks(range(len(fit)), [layout_name(r["plan"]) for r in fit], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r["time"]["step"] for r in fit) * 1.3)
+    ax.set_xlabel("predicted seconds per step (common/measure/steptime.py)")
+    nodes = max(1, args.gpus // machine.gpus_per_node)
+    ax.set_title(f"{args.model}, batch {batch} x {args.seq_len} on {args.gpus} x {machine.name} ({nodes} node"
+                 f"{'s' if nodes > 1 else ''}): the {len(fit)} layouts that fit, fastest first,\nand where each "
+                 f"step goes (python -m tools.plan --gpus {args.gpus} ...)", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- calibration: this machine, measured --------------------------------------------------------
 def calibrate(args) -> dict:
     """Run the measuring job (torchrun, --gpus ranks) and return what it saved."""
@@ -289,24 +330,40 @@ def calibrate(args) -> dict:
 
 
 def calibrate_worker(args) -> None:
-    """One rank of the measuring job: every rank runs the same matmuls at once (as a training
-    job does), then the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
+    """One rank of the measuring job: every rank computes at once (as a training job does), then
+    the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
     import torch
+    import torch.nn.functional as F
 
     from common.distributed import distributed
     from common.measure.bench import message_sizes, time_collective
+    from common.measure.steptime import head_flops, layer_flops
+    from common.model import build_model
     from step3_multi_gpu.bench_collectives import run as bench_run
     cfg = get_config(args.model, n_layers=args.n_layers)
     with distributed(args.device) as ctx:
         dev = ctx.device
-        # the model's own MLP matmul at one rank's tokens: (tokens x dim) @ (dim x ffn_dim)
         tokens = max(1, (args.global_batch_size or ctx.world_size) // ctx.world_size) * args.seq_len
-        rates = {}
+        # The rate our model's own step reaches, one block deep (its matmuls, attention, norms and
+        # the rest, forward and backward, at one rank's tokens): the calibrated counterpart of a
+        # GPU's achieved fraction, which was measured on a whole step too. A bare matmul of the
+        # model's MLP shape is kept beside it, the "spec sheet" of this machine.
+        one = get_config(args.model, n_layers=1)
+        model = build_model(one, dev)
+        x = torch.randint(0, one.vocab_size, (max(1, tokens // args.seq_len), args.seq_len), device=dev)
+
+        def step(dtype: str):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+            loss.backward()
+        rates, peaks = {}, {}
         for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            t, _ = time_collective(lambda: step(dtype), dev, max_iters=5, budget_s=0.5, blocks=3)
+            rates[dtype] = x.numel() * (layer_flops(one, args.seq_len) + head_flops(one)) / t
             a = torch.randn(tokens, cfg.dim, dtype=torch_dtype, device=dev)
             b = torch.randn(cfg.dim, cfg.ffn_dim, dtype=torch_dtype, device=dev)
             t, _ = time_collective(lambda: a @ b, dev, max_iters=10, budget_s=0.3, blocks=3)
-            rates[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / t
+            peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / t
         x = torch.empty(2**24, device=dev)  # 64 MiB: a copy reads and writes it
         y = torch.empty_like(x)
         t, _ = time_collective(lambda: y.copy_(x), dev, max_iters=10, budget_s=0.3, blocks=3)
@@ -319,7 +376,8 @@ def calibrate_worker(args) -> None:
                 torch.cuda.get_device_properties(dev).total_memory * ctx.world_size
             c = {"name": (cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)) +
                  f", {ctx.world_size} ranks", "world_size": ctx.world_size, "backend": ctx.backend,
-                 "date": datetime.date.today().isoformat(), "matmul_flops": rates, "memory_Bps": memory_bps,
+                 "date": datetime.date.today().isoformat(), "matmul_flops": rates, "bare_matmul_flops": peaks,
+                 "memory_Bps": memory_bps,
                  "memory_gib": total / ctx.world_size / GiB, "latency_s": rows[0]["time_s"],
                  "bandwidth_Bps": max(r["busbw_GBps"] for r in rows) * 1e9,
                  "shapes": f"({tokens} x {cfg.dim}) @ ({cfg.dim} x {cfg.ffn_dim})", "all_reduce": rows}
@@ -328,9 +386,10 @@ def calibrate_worker(args) -> None:
 
 
 def calibration_text(c: dict) -> str:
-    return (f"{c['name']} ({c['backend']}), measured {c['date']}, every rank at once: matmuls "
-            f"{c['matmul_flops']['fp32'] / 1e9:,.1f} GFLOP/s fp32 and {c['matmul_flops']['bf16'] / 1e9:,.1f} bf16 "
-            f"a rank at {c['shapes']}, memory {c['memory_Bps'] / 1e9:,.1f} GB/s, all-reduce busbw "
+    return (f"{c['name']} ({c['backend']}), measured {c['date']}, every rank at once: the model's step (one "
+            f"block) {c['matmul_flops']['fp32'] / 1e9:,.1f} GFLOP/s fp32 and {c['matmul_flops']['bf16'] / 1e9:,.1f} "
+            f"bf16 a rank (a bare matmul {c['bare_matmul_flops']['fp32'] / 1e9:,.1f} and "
+            f"{c['bare_matmul_flops']['bf16'] / 1e9:,.1f} at {c['shapes']}), memory {c['memory_Bps'] / 1e9:,.1f} GB/s, all-reduce busbw "
             f"{c['bandwidth_Bps'] / 1e9:,.2f} GB/s, latency {c['latency_s'] * 1e6:,.0f} us")
 
 

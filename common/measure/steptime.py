@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.measure.theory import (DTYPE_BYTES, Plan, _dp_comm, checkpointed_blocks, cp_bytes_per_step,
@@ -155,7 +155,7 @@ def load_calibration(path: str | Path) -> Machine:
     """The machine ``--calibrate`` measured (runs/calibration.json)."""
     c = json.loads(Path(path).read_text())
     link = Link(c["bandwidth_Bps"], c["latency_s"], f"measured: {c['backend']}, {c['world_size']} ranks")
-    return Machine(c["name"], {k: v for k, v in c["matmul_flops"].items()}, {"eager": 1.0, "compiled": 1.0},
+    return Machine(c["name"], dict(c["matmul_flops"]), {"eager": 1.0, "compiled": 1.0},
                    c["memory_Bps"], c["memory_gib"], link, link, gpus_per_node=c["world_size"],
                    source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]))
 
@@ -238,7 +238,6 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     forward, backward = compute / 3, 2 * compute / 3 + recompute
 
     comms: list[Comm] = []
-    exposed = 0.0
     shapes = rank_shapes(plan, 0) if cp == 1 else rank_shapes(replace(plan, strategy="ddp", world=1, cp=None), 0)
     n_local = sum(math.prod(s) for s in shapes.values())
     kind = {"cp": "ddp", "cp_fsdp": "fsdp_zero3"}.get(plan.strategy, plan.dp_kind)
@@ -267,7 +266,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
         else:  # FSDP: one all-gather a unit forward (and again backward, resharded), one reduce-scatter
             sg = plan.shard if kind == "hsdp" else group  # the FSDP (shard) group, ranks stride apart
             link = machine.link(sg, stride)[0]
-            pbytes = DTYPE_BYTES[dtype] if fsdp else 4
+            pbytes = DTYPE_BYTES[dtype]  # FSDP gathers the compute dtype's copy (its MixedPrecisionPolicy)
             root = sum(math.prod(s) for name, s in shapes.items() if is_root(name))
             block = (n_local - root) / max(1, n_layers)
             again = kind.endswith("zero3") or kind == "hsdp"  # zero2 keeps the gathered blocks for backward
@@ -298,7 +297,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     if tp > 1:  # on the critical path: every one waits for the matmul before it and holds up the next
         stage_cfg = replace(cfg, n_layers=n_layers)
         for op, v in tp_bytes_per_step(stage_cfg, plan.batch // dp, plan.seq_len, plan.sequence_parallel,
-                                       DTYPE_BYTES[dtype], None if fsdp else 4, k).items():
+                                       DTYPE_BYTES[dtype], None if fsdp and dp > 1 else 4, k).items():
             c = _comm(machine, op, v, tp, 1, calls=4 * n_layers + 2 + k)
             c.exposed = c.time
             comms.append(c)
@@ -332,7 +331,9 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     return {"compute": compute, "recompute": recompute, "exposed communication": exposed, "bubble": bubble,
             "optimizer": optimizer, "step": step, "comm": comms, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
-            "mfu": flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype])}
+            # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached)
+            "mfu": None if machine.calibrated_rate else
+            flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype])}
 
 
 TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
@@ -345,6 +346,3 @@ def explain(t: dict) -> str:
     lines += ["    " + c.row() for c in t["comm"]]
     return "\n".join(lines)
 
-
-def machine_dict(m: Machine) -> dict:
-    return asdict(m)
