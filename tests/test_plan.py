@@ -117,8 +117,12 @@ def test_planner_drops_what_does_not_fit_and_its_commands_parse(capsys):
 def test_torchtitan_ordering():
     """torchtitan's published Llama 3.1 8B runs: 128 GPUs hold less per GPU than 8, and
     tokens/s falls as CP grows (the shape of their table); the eager FSDP rows within 20%."""
-    from tools.plan import torchtitan_rows
-    rows = {r["what"]: r for r in torchtitan_rows()}
+    from tools.docs import block
+    from tools.plan import torchtitan_rows, torchtitan_text
+    computed = torchtitan_rows()
+    assert block("plan-torchtitan")[1].strip() == torchtitan_text(computed), \
+        "will_it_fit.md's torchtitan table is stale: run python -m tools.figures --only plan"
+    rows = {r["what"]: r for r in computed}
     eight, many = rows["Table 1: FSDP, eager"], rows["Table 3: FSDP, eager"]
     assert many["our_gib"] < eight["our_gib"]
     for r in (eight, many):

@@ -7,8 +7,8 @@ For each rank count, one torchrun job (tools/multirun.py) trains DDP, ZeRO-1, FS
 (1F1B) and 2-D for a few steps with the real step-3 scripts, and calibrates this machine right
 before each (``python -m tools.plan --calibrate``'s worker: every rank's matmul rate at once,
 memory bandwidth, the all-reduce's bandwidth and latency over gloo with the communication
-lab's code); the runs' metrics.jsonl give the measured step time (the median of the steps
-after the first two). Printed: predicted and measured milliseconds, their
+lab's code); the runs' metrics.jsonl give the measured step time (the fastest step after
+the first two: like the calibration's timings, since on a shared machine noise only adds time). Printed: predicted and measured milliseconds, their
 ratio, the predicted terms, and the Spearman rank correlation of the two orders (the target:
 every layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +63,8 @@ def measure(world: int, args, out: Path) -> list[tuple[float, Path]]:
     """One torchrun job: for each layout, calibrate (tools/plan.py's worker, every rank at once)
     and then train it. On a shared machine the load changes from minute to minute, so each
     layout is predicted with the calibration made just before it. Returns, per layout, the
-    measured step time (the median of the steps after the first two) and its calibration."""
+    measured step time (the fastest step after the first two: the calibration keeps the fastest
+    of its timings too, noise only adds time) and its calibration."""
     flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--global-batch-size", str(args.global_batch_size),
              "--steps", str(args.steps), "--amp", "off", "--no-trace-memory", "--eval-batches", "0",
              "--data", "synthetic", "--device", "cpu"]
@@ -86,7 +86,7 @@ def measure(world: int, args, out: Path) -> list[tuple[float, Path]]:
     for cal, run in zip(runs[::2], runs[1::2]):
         rows = [json.loads(line) for line in (Path(run["argv"][-1]) / "metrics.jsonl").read_text().splitlines()]
         times = [x["step_time_s"] for x in rows if x.get("step_time_s")][2:]
-        measured.append((statistics.median(times), Path(cal["argv"][-1])))
+        measured.append((min(times), Path(cal["argv"][-1])))
     return measured
 
 

@@ -250,6 +250,9 @@ def plan_text(args) -> str:
     ps = layouts(cfg, args.gpus, per_node, batch, args.seq_len, args.dtype, "cuda" if not args.calibration else "cpu",
                  acs)
     fit, dropped = evaluate(ps, machine, args.compile, args.headroom)
+    if not fit and not any("peak" in d for d in dropped):
+        raise UserError(f"no step-3 script runs any layout of --gpus {args.gpus} with --global-batch-size {batch}; "
+                        f"give at least one sequence per data-parallel rank (e.g. --global-batch-size {args.gpus}).")
     nodes = max(1, args.gpus // per_node)
     n = count_params(cfg)
     rate = machine.matmul_rate(args.dtype, args.compile)
@@ -307,7 +310,7 @@ def layouts_figure(args, path: Path) -> None:
     ax.set_title(f"{args.model}, batch {batch} x {args.seq_len} on {args.gpus} x {machine.name} ({nodes} node"
                  f"{'s' if nodes > 1 else ''}): the {len(fit)} layouts that fit, fastest first,\nand where each "
                  f"step goes (python -m tools.plan --gpus {args.gpus} ...)", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)  # the fastest bars, at the top, are the shortest
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -437,7 +440,7 @@ def torchtitan_rows() -> list[dict]:
     return out
 
 
-def torchtitan_text() -> str:
+def torchtitan_text(rows: list[dict] | None = None) -> str:
     m = GPUS["torchtitan"]
     lines = [f"torchtitan's Llama 3.1 8B runs (docs/performance.md) on {m.name}: matmuls at "
              f"{m.matmul_rate('bf16') / 1e12:.0f} TFLOP/s eager, {m.matmul_rate('bf16', True) / 1e12:.0f} compiled "
@@ -445,7 +448,7 @@ def torchtitan_text() -> str:
              f"GB/s and {m.inter.bandwidth / 1e9:.0f} GB/s a GPU across hosts (busbw)", "",
              "| run | GPUs | seq | AC | tokens/s/GPU theirs | ours | ours/theirs | GiB theirs (reserved) | ours (peak) "
              "| ours/theirs | where our step goes (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in torchtitan_rows():
+    for r in rows or torchtitan_rows():
         t = r["time"]
         terms = ", ".join(f"{k} {t[k] * 1e3:,.0f}" for k in TERMS if t[k] * 1e3 >= 0.5)
         mem = f"{r['their_gib']:.1f} | {r['our_gib']:.1f} | {r['our_gib'] / r['their_gib']:.2f}" if r["their_gib"] \

@@ -331,9 +331,11 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     return {"compute": compute, "recompute": recompute, "exposed communication": exposed, "bubble": bubble,
             "optimizer": optimizer, "step": step, "comm": comms, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
-            # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached)
+            # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached),
+            # and against the rate assumed (how much of the reachable the layout keeps)
             "mfu": None if machine.calibrated_rate else
-            flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype])}
+            flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype]),
+            "mfu_of_rate": flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * rate)}
 
 
 TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
@@ -342,7 +344,8 @@ TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
 def explain(t: dict) -> str:
     """One line: the step and its terms, then each collective's total and exposed time."""
     terms = ", ".join(f"{k} {t[k] * 1e3:,.1f}" for k in TERMS if t[k] > 0)
-    lines = [f"step {t['step'] * 1e3:,.1f} ms = {terms} (ms)"]
+    mfu = f"MFU {t['mfu']:.1%} of the spec sheet, " if t["mfu"] is not None else "MFU "
+    lines = [f"step {t['step'] * 1e3:,.1f} ms = {terms} (ms); {mfu}{t['mfu_of_rate']:.0%} of the rate assumed"]
     lines += ["    " + c.row() for c in t["comm"]]
     return "\n".join(lines)
 
