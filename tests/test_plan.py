@@ -86,6 +86,12 @@ def test_pipeline_bubble_and_tp_on_the_critical_path():
     tp = step_time(Plan(cfg, "tp", world=2, batch=8, seq_len=64, dtype="fp32"), m)
     assert [c.name for c in tp["comm"]] == ["all_reduce"]
     assert tp["comm"][0].exposed == tp["comm"][0].time > 0  # nothing hides TP's all-reduces
+    # expert parallelism: 4 k T rows of dim a layer (dispatch, combine, both ways back), all exposed
+    moe = get_config("small-moe")
+    ep = step_time(Plan(moe, "ep", world=4, batch=8, seq_len=64, dtype="fp32"), m)
+    (a2a,) = [c for c in ep["comm"] if c.name == "all_to_all"]
+    assert a2a.bytes == moe.n_layers * 4 * moe.top_k * (8 // 4 * 64) * moe.dim * 4
+    assert a2a.exposed == a2a.time == pytest.approx(0.75 * a2a.bytes / (10 * GB))
 
 
 def test_planner_drops_what_does_not_fit_and_its_commands_parse(capsys):

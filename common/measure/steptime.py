@@ -35,6 +35,8 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                    the way back, its gradients, (p-1) hops each way.
                  CP: the ring passes key/value blocks while attention computes on the one
                    it has: exposed only where the ring is slower than attention.
+                 EP: the tokens' all-to-alls (dispatch and combine, forward and backward)
+                   stand between the router and the experts: all exposed.
   bubble       a pipeline's idle share, from the schedule (common/parallelize/pp.py's
                bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B): idle = busy x b / (1 - b).
   optimizer    AdamW is memory-bound: per parameter this rank updates, clipping reads the
@@ -54,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.measure.theory import (DTYPE_BYTES, Plan, _dp_comm, checkpointed_blocks, cp_bytes_per_step,
-                                   is_root, layer_activation_bytes, pp_bytes_per_step, rank_shapes,
+                                   is_expert, is_root, layer_activation_bytes, pp_bytes_per_step, rank_shapes,
                                    tp_bytes_per_step)
 from common.model import ModelConfig, flops_per_token
 
@@ -239,6 +241,8 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
 
     comms: list[Comm] = []
     shapes = rank_shapes(plan, 0) if cp == 1 else rank_shapes(replace(plan, strategy="ddp", world=1, cp=None), 0)
+    if plan.strategy == "ep":  # FSDP gathers the dense part only; each rank keeps its experts whole
+        shapes = {name: s for name, s in shapes.items() if not is_expert(name)}
     n_local = sum(math.prod(s) for s in shapes.values())
     kind = {"cp": "ddp", "cp_fsdp": "fsdp_zero3"}.get(plan.strategy, plan.dp_kind)
     fsdp = kind.startswith(("fsdp", "hsdp"))
@@ -319,6 +323,14 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
                   calls=cfg.n_layers * 3 * (cp - 1))
         attention = seq_tokens * cfg.n_layers * 6 * cfg.dim * plan.seq_len / rate
         c.exposed = max(0.0, c.time - attention)
+        comms.append(c)
+    if plan.strategy == "ep":  # the tokens' all-to-alls: dispatch and combine, forward and backward,
+        # between the router and the experts that wait for them: nothing to hide under
+        from common.parallelize.ep import ep_bytes_per_step
+        ep = plan.ep or plan.world
+        c = _comm(machine, "all_to_all", ep_bytes_per_step(cfg, seq_tokens, act_bytes=DTYPE_BYTES[dtype],
+                                                           accum=plan.accum), ep, 1, calls=4 * cfg.n_layers)
+        c.exposed = c.time
         comms.append(c)
     exposed = sum(c.exposed for c in comms)
 
