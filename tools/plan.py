@@ -97,9 +97,6 @@ def check(args) -> None:
                         f"of {g}.")
     if not 0 <= args.headroom < 1e6 or not math.isfinite(args.headroom):
         raise UserError(f"--headroom must be a finite number of GiB, at least 0 (got {args.headroom:g}).")
-    batch = args.global_batch_size or args.gpus
-    if batch < 1:
-        raise UserError(f"--global-batch-size must be positive (got {batch}).")
     if args.calibration and not Path(args.calibration).is_file():
         raise UserError(f"--calibration {args.calibration}: no such file; make it with python -m tools.plan "
                         f"--calibrate.")
