@@ -671,6 +671,41 @@ def pp_v_memory_table(suffix: str = "") -> dict[str, str]:
     return {"table-03-pp-v-memory" + suffix: md}
 
 
+# The planner (tools/plan.py): its choice for Llama 3.1 8B's shape (the 8b preset with Llama 3's
+# vocabulary) at torchtitan's local batch (2 x 8192 a GPU) on one H100 node and on four, its
+# prediction of torchtitan's published runs, the figure of every layout that fits on four nodes,
+# and the benchmark against this machine if tools/bench_plan.py has run (--only plan).
+PLANS = {"plan-8b-1node": ["--model", "8b", "--vocab-size", "128256", "--gpus", "8", "--gpu", "h100",
+                           "--global-batch-size", "16", "--seq-len", "8192", "--top", "3"],
+         "plan-8b-4nodes": ["--model", "8b", "--vocab-size", "128256", "--gpus", "32", "--gpus-per-node", "8",
+                            "--gpu", "h100", "--global-batch-size", "64", "--seq-len", "8192", "--top", "3"]}
+
+
+def plan_blocks(suffix: str = "") -> dict[str, str]:
+    import contextlib
+    import io
+
+    from tools.plan import build_parser, layouts_figure
+    from tools.plan import main as plan
+    if suffix:
+        return {}
+    blocks = {}
+    for name, flags in {**PLANS, "plan-torchtitan": ["--torchtitan"]}.items():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            plan(flags)
+        text = out.getvalue().strip()
+        blocks[name] = text if name == "plan-torchtitan" else f"```\n{text}\n```"
+    layouts_figure(build_parser().parse_args(PLANS["plan-8b-4nodes"]), ROOT / "figs" / "plan_8b_layouts.png")
+    bench = ROOT / "runs" / "bench_plan" / "bench_plan.md"
+    if bench.exists():
+        blocks["plan-bench"] = bench.read_text().strip()
+    return blocks
+
+
+POST_STEPS.append(("plan", plan_blocks))
+
+
 POST_STEPS.append(("03", pp_v_memory_table))
 
 

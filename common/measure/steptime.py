@@ -1,0 +1,363 @@
+"""How long one training step takes, and where the time goes: the step-time model.
+
+theory.py says how many bytes a layout holds and sends; this module turns a layout into
+seconds on a machine, per rank, as a sum of named terms a learner can read:
+
+  compute      the FLOPs the rank runs forward and backward, at the rate the device
+               actually reaches on matmuls (``Machine.matmul_rate``: the spec sheet's dense
+               rate x an achieved fraction, or this machine's calibrated rate). Per token and
+               layer: 6 x the layer's matmul weights (multiply-add = 2 FLOPs, forward once,
+               backward twice) and 6 x dim x seq for attention's QK^T and AV: half of the
+               12 x dim x seq that MFU conventionally counts, since a causal kernel skips the
+               masked half (MFU is still quoted with common/model.py's flops_per_token). The
+               output layer adds 6 x vocab x dim on the last stage. TP divides a rank's share
+               by tp, CP its tokens by cp, a pipeline stage keeps its own layers.
+  recompute    activation checkpointing's extra forward. Full AC runs each checkpointed
+               block's forward again in backward: a third of its compute. Our selective AC
+               (common/parallelize/ac.py) keeps every matmul's and attention's output and
+               recomputes only norms, RoPE, SiLU, the SwiGLU product and the residual adds:
+               no matmul FLOPs, but memory-bound passes, counted as the bytes those ops
+               read and write (theory.py's activations dropped, twice) over HBM bandwidth.
+  exposed communication
+               each collective's time on its link, t = calls x latency + bytes x ring factor
+               / bandwidth (ring factors as nccl-tests' busbw: 2(n-1)/n for all-reduce,
+               (n-1)/n for all-gather and reduce-scatter, 1 for send/recv and broadcast; the
+               bytes are theory.py's), less what hides under compute, as the scripts do it:
+                 DDP: the buckets all-reduce during backward; the last one (the embedding's
+                   gradient, ready last) waits: exposed = its time, plus what does not fit
+                   under backward. ZeRO-1 adds the parameter broadcast after the step.
+                 FSDP: each block's all-gather is prefetched during the previous block; the
+                   first (the root unit and block 0) and the root's reduce-scatter at the end
+                   of backward are exposed, plus whatever does not fit under compute.
+                 TP: its all-reduces (or SP's all-gathers and reduce-scatters) sit between
+                   the matmuls that need them: all exposed.
+                 PP: the pipeline fills and drains: the first micro-batch's sends and, on
+                   the way back, its gradients, (p-1) hops each way.
+                 CP: the ring passes key/value blocks while attention computes on the one
+                   it has: exposed only where the ring is slower than attention.
+                 EP: the tokens' all-to-alls (dispatch and combine, forward and backward)
+                   stand between the router and the experts: all exposed.
+  bubble       a pipeline's idle share, from the schedule (common/parallelize/pp.py's
+               bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B): idle = busy x b / (1 - b).
+  optimizer    AdamW is memory-bound: per parameter this rank updates, clipping reads the
+               gradient (4 bytes), AdamW reads weight, gradient and both moments and writes
+               weight and moments (28): 32 bytes over HBM bandwidth.
+
+What the model leaves out (the page says it too): kernel launch gaps and the harness's
+own time (folded into the achieved fraction), communication slowing the compute it
+overlaps (NCCL's kernels take SMs and HBM bandwidth), stragglers, the data loader, and
+the first step's one-time work.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from common.measure.theory import (DTYPE_BYTES, Plan, _dp_comm, checkpointed_blocks, cp_bytes_per_step,
+                                   is_expert, is_root, layer_activation_bytes, pp_bytes_per_step, rank_shapes,
+                                   tp_bytes_per_step)
+from common.model import ModelConfig, flops_per_token
+
+GB = 1e9
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default (torch.nn.parallel.DistributedDataParallel)
+ADAMW_BYTES_PER_PARAM = 4 + 28  # clipping reads the gradient; AdamW reads p, g, m, v and writes p, m, v
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes each rank's link carries per byte of the collective's size (nccl-tests' busbw / algbw)."""
+    if n <= 1:
+        return 0.0
+    if op.startswith("all_reduce"):
+        return 2 * (n - 1) / n
+    if op.startswith(("all_gather", "reduce_scatter", "all_to_all")):
+        return (n - 1) / n
+    return 1.0  # send/recv, broadcast
+
+
+# ---- the machine ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: its bus bandwidth (bytes/s each way per GPU, what nccl-tests calls
+    busbw) and the fixed time of one collective call (latency, seconds)."""
+    bandwidth: float
+    latency: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    peak_flops: dict               # dtype -> FLOP/s, the spec sheet's dense rate
+    achieved: dict                 # "eager" / "compiled" -> fraction of peak_flops a matmul-heavy step reaches
+    hbm: float                     # bytes/s
+    memory_gib: float              # what the card reports
+    intra: Link                    # within a node (NVLink)
+    inter: Link                    # across nodes (one NIC per GPU)
+    gpus_per_node: int = 8
+    source: str = ""
+    calibrated_rate: dict = field(default_factory=dict)  # dtype -> FLOP/s measured here (--calibrate)
+
+    def matmul_rate(self, dtype: str, compiled: bool = False) -> float:
+        """FLOP/s one rank reaches: measured by --calibrate, or the spec x the achieved fraction."""
+        if dtype in self.calibrated_rate:
+            return self.calibrated_rate[dtype]
+        return self.peak_flops[dtype] * self.achieved["compiled" if compiled else "eager"]
+
+    def link(self, n: int, stride: int) -> tuple[Link, str]:
+        """The link a ring of ``n`` ranks, ``stride`` apart in rank order, runs at.
+
+        Inside a node: NVLink. A ring that leaves the node is as fast as the NICs its ranks
+        on each node bring: k ranks a node (one NIC each) give it k x the NIC's bandwidth
+        (NCCL runs a channel through each), never more than NVLink's."""
+        per_node = max(1, min(n, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
+        if per_node >= n:
+            return self.intra, "in a node"
+        bw = min(self.intra.bandwidth, per_node * self.inter.bandwidth)
+        return Link(bw, self.inter.latency, self.inter.source), f"across nodes ({per_node} a node)"
+
+
+# Achieved fractions, measured on one H100 with this repository's own scripts (DESIGN.md):
+# the 1b model, bf16 autocast, batch 4 x 2048, eager: 176 ms a step = 31.3% of 989 TFLOP/s
+# (flops_per_token); with --compile: 49.6%. Links: nccl-tests' busbw tops out near 80% of
+# NVLink's rated speed and about 90% of InfiniBand's (assumed here; --calibrate measures yours).
+H100_ACHIEVED = {"eager": 0.313, "compiled": 0.496}
+NVLINK_FRACTION, IB_FRACTION = 0.80, 0.90
+NVLINK_LATENCY, IB_LATENCY = 15e-6, 30e-6  # a small NCCL all-reduce's time in a node / across nodes (typical)
+# InfiniBand NDR: 400 Gb/s = 50 GB/s each way per NIC, one NIC per GPU (NVIDIA ConnectX-7 / DGX H100 datasheet)
+IB_NDR = Link(50e9 * IB_FRACTION, IB_LATENCY, "InfiniBand NDR 400 Gb/s = 50 GB/s each way (ConnectX-7), x0.9")
+
+GPUS: dict[str, Machine] = {
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32; HBM3 3.35 TB/s; NVLink 4 900 GB/s
+    # both directions together (450 each way); an "80 GB" card reports 79.65 GiB (nvidia-smi 81559 MiB)
+    "h100": Machine("H100 SXM 80GB", {"bf16": 989e12, "fp32": 67e12}, H100_ACHIEVED, 3.35e12, 79.65,
+                    Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"), IB_NDR,
+                    source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    # NVIDIA H200 datasheet: the H100's compute, HBM3e 4.8 TB/s, 141 GB (reports about 140 GiB)
+    "h200": Machine("H200 SXM 141GB", {"bf16": 989e12, "fp32": 67e12}, H100_ACHIEVED, 4.8e12, 140.0,
+                    Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"), IB_NDR,
+                    source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    # NVIDIA A100 SXM datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; HBM2e 2.0 TB/s (80 GB); NVLink 3
+    # 600 GB/s both ways (300 each way). Achieved fractions: the H100's, not measured on an A100.
+    "a100": Machine("A100 SXM 80GB", {"bf16": 312e12, "fp32": 19.5e12}, H100_ACHIEVED, 2.0e12, 80.0,
+                    Link(300e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 3: 300 GB/s each way, x0.8"), IB_NDR,
+                    source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+    # torchtitan's benchmark machine (docs/performance.md, Grand Teton): H100s with 96 GB HBM2e at
+    # 2.4 TB/s, a 500 W power limit, NVLink inside a host of 8, 400 Gb/s RDMA per GPU across hosts.
+    # Its memory is counted like the 80 GB card's (96 x 79.65 / 80 = 95.6 GiB).
+    "torchtitan": Machine("H100 96GB HBM2e, 500 W (torchtitan's)", {"bf16": 989e12, "fp32": 67e12},
+                          H100_ACHIEVED, 2.4e12, 95.6,
+                          Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"),
+                          IB_NDR, source="torchtitan docs/performance.md"),
+}
+
+
+def load_calibration(path: str | Path) -> Machine:
+    """The machine ``--calibrate`` measured (runs/calibration.json)."""
+    c = json.loads(Path(path).read_text())
+    link = Link(c["bandwidth_Bps"], c["latency_s"], f"measured: {c['backend']}, {c['world_size']} ranks")
+    return Machine(c["name"], dict(c["matmul_flops"]), {"eager": 1.0, "compiled": 1.0},
+                   c["memory_Bps"], c["memory_gib"], link, link, gpus_per_node=c["world_size"],
+                   source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]))
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    return 2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim * max(1, min(cfg.n_experts, cfg.top_k))
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs of one block per token, causal attention counted as run (half)."""
+    return 6 * layer_matmul_params(cfg) + 6 * cfg.dim * seq_len
+
+
+def head_flops(cfg: ModelConfig) -> float:
+    return 6 * cfg.vocab_size * cfg.dim
+
+
+def recompute_flops(cfg: ModelConfig, seq_len: int, ac: str) -> float:
+    """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third)."""
+    return layer_flops(cfg, seq_len) / 3 if ac == "full" else 0.0
+
+
+# ---- one layout ---------------------------------------------------------------------------
+@dataclass
+class Comm:
+    """One collective's share of a step."""
+    name: str
+    bytes: float
+    group: int
+    time: float
+    exposed: float
+    where: str
+
+    def row(self) -> str:
+        return f"{self.name} over {self.group} ({self.where}): {self.time * 1e3:.1f} ms, {self.exposed * 1e3:.1f} exposed"
+
+
+def collective_time(op: str, nbytes: float, n: int, link: Link, calls: int = 1) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return calls * link.latency + nbytes * ring_factor(op, n) / link.bandwidth
+
+
+def _comm(m: Machine, op: str, nbytes: float, n: int, stride: int, calls: int = 1) -> Comm:
+    link, where = m.link(n, stride)
+    return Comm(op, nbytes, n, collective_time(op, nbytes, n, link, calls), 0.0, where)
+
+
+def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
+    """Predicted seconds per optimizer step of ``plan`` on ``machine``, by term, for the slowest rank.
+
+    Returns {"compute", "recompute", "exposed communication", "bubble", "optimizer", "step"}
+    plus "comm" (a list of Comm, each collective's total and exposed time), "tokens_per_s",
+    "mfu" and "rate" (the matmul FLOP/s assumed)."""
+    cfg, dtype = plan.cfg, plan.dtype
+    rate = machine.matmul_rate(dtype, compiled)
+    cp = plan.cp or plan.world if plan.strategy in ("cp", "cp_fsdp") else 1
+    dp = plan.world // cp if cp > 1 else plan.dp
+    tp, pp = plan.tp, plan.pp
+    seq_tokens = plan.batch // dp * plan.seq_len // cp  # tokens this rank's group runs a step (a pp stage: all of them)
+
+    # compute, per pipeline stage (the slowest sets the pace); heads and MLP units split over tp
+    stages = []
+    for s in range(pp):
+        rank = s * dp * tp
+        shapes = rank_shapes(plan, rank) if cp == 1 else None
+        n_layers = cfg.n_layers if shapes is None else sum(1 for k in shapes if k.endswith("attention_norm.weight"))
+        last = shapes is None or "output.weight" in shapes
+        per_token = n_layers * layer_flops(cfg, plan.seq_len) + (head_flops(cfg) if last else 0)
+        k = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
+        stages.append((seq_tokens * per_token / tp / rate,
+                       seq_tokens * k * recompute_flops(cfg, plan.seq_len, plan.ac) / tp / rate, n_layers, k))
+    compute, recompute, n_layers, k = max(stages, key=lambda x: x[0] + x[1])
+    if plan.ac == "selective" and k:  # memory-bound: the dropped tensors, written and read again
+        dropped = layer_activation_bytes(cfg, seq_tokens, dtype, "none", tp, plan.sequence_parallel) - \
+            layer_activation_bytes(cfg, seq_tokens, dtype, "selective", tp, plan.sequence_parallel)
+        recompute = k * 2 * dropped / machine.hbm
+    forward, backward = compute / 3, 2 * compute / 3 + recompute
+
+    comms: list[Comm] = []
+    shapes = rank_shapes(plan, 0) if cp == 1 else rank_shapes(replace(plan, strategy="ddp", world=1, cp=None), 0)
+    if plan.strategy == "ep":  # FSDP gathers the dense part only; each rank keeps its experts whole
+        shapes = {name: s for name, s in shapes.items() if not is_expert(name)}
+    n_local = sum(math.prod(s) for s in shapes.values())
+    kind = {"cp": "ddp", "cp_fsdp": "fsdp_zero3"}.get(plan.strategy, plan.dp_kind)
+    fsdp = kind.startswith(("fsdp", "hsdp"))
+    m = plan.microbatches or pp
+
+    # data parallelism over dp (or, under CP, every rank), stride tp: its bytes from theory.py
+    group = plan.world if cp > 1 else dp
+    if group > 1 and kind != "single":
+        shard = plan.shard if kind == "hsdp" else None
+        b = _dp_comm(kind if kind != "hsdp" else "hsdp_zero3", shapes, group, shard,
+                     DTYPE_BYTES[dtype] if fsdp else 4, plan.accum)
+        stride = tp
+        if not fsdp:  # DDP, ZeRO-1: buckets all-reduced under backward, the last one exposed
+            c = _comm(machine, "all_reduce", b["all_reduce"], group, stride,
+                      calls=max(1, math.ceil(b["all_reduce"] / DDP_BUCKET_BYTES)))
+            embedding = 4 * math.prod(shapes.get("tok_embeddings.weight", (0,)))
+            last = min(b["all_reduce"], max(DDP_BUCKET_BYTES, embedding))
+            t_last = collective_time("all_reduce", last, group, machine.link(group, stride)[0])
+            c.exposed = t_last + max(0.0, c.time - t_last - backward)
+            comms.append(c)
+            if "broadcast" in b:  # ZeRO-1: each rank's updated partition, to every other, after the step
+                c = _comm(machine, "broadcast", b["broadcast"], group, stride, calls=len(shapes))
+                c.exposed = c.time
+                comms.append(c)
+        else:  # FSDP: one all-gather a unit forward (and again backward, resharded), one reduce-scatter
+            sg = plan.shard if kind == "hsdp" else group  # the FSDP (shard) group, ranks stride apart
+            link = machine.link(sg, stride)[0]
+            pbytes = DTYPE_BYTES[dtype]  # FSDP gathers the compute dtype's copy (its MixedPrecisionPolicy)
+            root = sum(math.prod(s) for name, s in shapes.items() if is_root(name))
+            block = (n_local - root) / max(1, n_layers)
+            again = kind.endswith("zero3") or kind == "hsdp"  # zero2 keeps the gathered blocks for backward
+
+            def t(op, numel, width, calls=1):  # ``calls`` collectives of ``numel`` elements each
+                return collective_time(op, calls * numel * width, sg, link, calls)
+            gather_fwd = t("all_gather", root, pbytes) + t("all_gather", block, pbytes, n_layers)
+            gather_bwd = t("all_gather", block, pbytes, n_layers) if again else 0.0
+            first = t("all_gather", root, pbytes) + t("all_gather", block, pbytes)  # nothing to hide it under
+            ag = _comm(machine, "all_gather", b["all_gather"], sg, stride)
+            ag.time = gather_fwd + gather_bwd
+            ag.exposed = first + max(0.0, gather_fwd - first - forward)
+            rs = _comm(machine, "reduce_scatter", b["reduce_scatter"], sg, stride)
+            rs.time = t("reduce_scatter", root, 4) + t("reduce_scatter", block, 4, n_layers)
+            under_backward = gather_bwd + rs.time - t("reduce_scatter", root, 4)
+            extra = []
+            if "all_reduce" in b:  # HSDP: the replicas all-reduce each reduced shard, under backward too
+                ar = _comm(machine, "all_reduce", b["all_reduce"], group // sg, sg * stride, calls=n_layers + 1)
+                under_backward += ar.time
+                extra.append(ar)
+            # the root unit (embedding, output) is reduced last, after backward: exposed; so is
+            # whatever did not fit under backward (charged to the reduce-scatter)
+            rs.exposed = t("reduce_scatter", root, 4) + max(0.0, under_backward - backward)
+            comms += [ag, rs, *extra]
+            norm = _comm(machine, "all_reduce (grad norm)", b["all_reduce (grad norm)"], group, stride)
+            norm.exposed = norm.time
+            comms.append(norm)
+    if tp > 1:  # on the critical path: every one waits for the matmul before it and holds up the next
+        stage_cfg = replace(cfg, n_layers=n_layers)
+        for op, v in tp_bytes_per_step(stage_cfg, plan.batch // dp, plan.seq_len, plan.sequence_parallel,
+                                       DTYPE_BYTES[dtype], None if fsdp and dp > 1 else 4, k).items():
+            c = _comm(machine, op, v, tp, 1, calls=4 * n_layers + 2 + k)
+            c.exposed = c.time
+            comms.append(c)
+    bubble = 0.0
+    if pp > 1:
+        from common.parallelize.pp import bubble_formula
+        busy = compute + recompute
+        b = bubble_formula(plan.schedule, pp, m)
+        bubble = busy * b / (1 - b)
+        act = pp_bytes_per_step(cfg, plan.batch // dp, plan.seq_len, pp, 0)["send"]  # one boundary, one way
+        c = _comm(machine, "send/recv", 2 * act, 2, tp * dp, calls=2 * m)
+        # the fill and the drain: micro-batch 0's activations down (p-1) hops, its gradient back up
+        c.exposed = 2 * (pp - 1) * collective_time("send", act / m, 2, machine.link(2, tp * dp)[0])
+        comms.append(c)
+    if cp > 1:  # the ring under attention: exposed only where it is slower than attention
+        ring = cp_bytes_per_step(cfg, plan.batch // dp, plan.seq_len, cp, DTYPE_BYTES[dtype],
+                                 checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every))["send"]
+        c = _comm(machine, "send/recv (CP ring)", ring, 2, 1,
+                  calls=cfg.n_layers * 3 * (cp - 1))
+        attention = seq_tokens * cfg.n_layers * 6 * cfg.dim * plan.seq_len / rate
+        c.exposed = max(0.0, c.time - attention)
+        comms.append(c)
+    if plan.strategy == "ep":  # the tokens' all-to-alls: dispatch and combine, forward and backward,
+        # between the router and the experts that wait for them: nothing to hide under
+        from common.parallelize.ep import ep_bytes_per_step
+        ep = plan.ep or plan.world
+        c = _comm(machine, "all_to_all", ep_bytes_per_step(cfg, seq_tokens, act_bytes=DTYPE_BYTES[dtype],
+                                                           accum=plan.accum), ep, 1, calls=4 * cfg.n_layers)
+        c.exposed = c.time
+        comms.append(c)
+    exposed = sum(c.exposed for c in comms)
+
+    # the optimizer: the parameters this rank updates (theory.py's shards)
+    updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
+    optimizer = updated * ADAMW_BYTES_PER_PARAM / machine.hbm
+
+    step = compute + recompute + exposed + bubble + optimizer
+    tokens = plan.batch * plan.seq_len
+    return {"compute": compute, "recompute": recompute, "exposed communication": exposed, "bubble": bubble,
+            "optimizer": optimizer, "step": step, "comm": comms, "tokens_per_s": tokens / step,
+            "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
+            # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached),
+            # and against the rate assumed (how much of the reachable the layout keeps)
+            "mfu": None if machine.calibrated_rate else
+            flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype]),
+            "mfu_of_rate": flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * rate)}
+
+
+TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
+
+
+def explain(t: dict) -> str:
+    """One line: the step and its terms, then each collective's total and exposed time."""
+    terms = ", ".join(f"{k} {t[k] * 1e3:,.1f}" for k in TERMS if t[k] > 0)
+    mfu = f"MFU {t['mfu']:.1%} of the spec sheet, " if t["mfu"] is not None else "MFU "
+    lines = [f"step {t['step'] * 1e3:,.1f} ms = {terms} (ms); {mfu}{t['mfu_of_rate']:.0%} of the rate assumed"]
+    lines += ["    " + c.row() for c in t["comm"]]
+    return "\n".join(lines)
+

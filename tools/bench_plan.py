@@ -1,0 +1,152 @@
+"""The step-time model held to this machine: predicted beside measured, layout by layout.
+
+    python -m tools.bench_plan
+    python -m tools.bench_plan --ranks 2 --model small --seq-len 256 --global-batch-size 16 --steps 8
+
+For each rank count, one torchrun job (tools/multirun.py) trains DDP, ZeRO-1, FSDP, TP, PP
+(1F1B) and 2-D for a few steps with the real step-3 scripts, and calibrates this machine right
+before each (``python -m tools.plan --calibrate``'s worker: every rank's matmul rate at once,
+memory bandwidth, the all-reduce's bandwidth and latency over gloo with the communication
+lab's code); the runs' metrics.jsonl give the measured step time (the fastest step after
+the first two: like the calibration's timings, since on a shared machine noise only adds time). Printed: predicted and measured milliseconds, their
+ratio, the predicted terms, and the Spearman rank correlation of the two orders (the target:
+every layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
+
+A benchmark, not a test: on a shared machine other processes slow the runs (and the
+calibration) by different amounts; read the ratios with that in mind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.errors import UserError, main_guard  # noqa: E402
+from common.measure.steptime import TERMS, load_calibration, step_time  # noqa: E402
+from common.measure.theory import Plan  # noqa: E402
+from common.model import get_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+S3 = "step3_multi_gpu/"
+
+
+def layouts(world: int) -> list[tuple[str, str, list[str], dict]]:
+    """(name, script, its flags, the Plan's arguments) of each measured layout."""
+    tp = 2
+    return [("ddp", S3 + "train_ddp.py", [], {"strategy": "ddp"}),
+            ("zero1", S3 + "train_ddp.py", ["--zero1"], {"strategy": "zero1"}),
+            ("fsdp", S3 + "train_fsdp.py", [], {"strategy": "fsdp_zero3"}),
+            ("tp", S3 + "train_tp.py", [], {"strategy": "tp"}),
+            ("pp 1f1b", S3 + "train_pp.py", ["--schedule", "1f1b", "--microbatches", str(world)],
+             {"strategy": "pp", "schedule": "1f1b", "microbatches": world}),
+            (f"2d tp={tp}", S3 + "train_2d.py", ["--tp", str(tp)], {"strategy": "2d", "tp": tp})]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = pos
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def measure(world: int, args, out: Path) -> list[tuple[float, Path]]:
+    """One torchrun job: for each layout, calibrate (tools/plan.py's worker, every rank at once)
+    and then train it. On a shared machine the load changes from minute to minute, so each
+    layout is predicted with the calibration made just before it. Returns, per layout, the
+    measured step time (the fastest step after the first two: the calibration keeps the fastest
+    of its timings too, noise only adds time) and its calibration."""
+    flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--global-batch-size", str(args.global_batch_size),
+             "--steps", str(args.steps), "--amp", "off", "--no-trace-memory", "--eval-batches", "0",
+             "--data", "synthetic", "--device", "cpu"]
+    runs = []
+    for name, script, extra, _ in layouts(world):
+        tag = f"{world}_{name.replace(' ', '_').replace('=', '')}"
+        runs += [{"name": f"calibrate before {name}", "script": "tools/plan.py",
+                  "argv": ["--calibrate-worker", "--model", args.model, "--seq-len", str(args.seq_len),
+                           "--global-batch-size", str(args.global_batch_size), "--device", "cpu",
+                           "--out", str(out / f"calibration_{tag}.json")]},
+                 {"name": name, "script": script, "argv": [*flags, *extra, "--out", str(out / tag)]}]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "tools/multirun.py", "--runs", json.dumps(runs)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise UserError(f"the {world}-rank job stopped: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    measured = []
+    for cal, run in zip(runs[::2], runs[1::2]):
+        rows = [json.loads(line) for line in (Path(run["argv"][-1]) / "metrics.jsonl").read_text().splitlines()]
+        times = [x["step_time_s"] for x in rows if x.get("step_time_s")][2:]
+        measured.append((min(times), Path(cal["argv"][-1])))
+    return measured
+
+
+@main_guard
+def main(argv=None):
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tools.bench_plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="2,4", help="rank counts to measure, comma-separated (default: 2,4)")
+    p.add_argument("--model", default="small", help="model preset (default: small)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    p.add_argument("--global-batch-size", type=int, default=16, help="sequences a step (default: 16)")
+    p.add_argument("--steps", type=int, default=8, help="steps each run trains; the first two are not timed (default: 8)")
+    p.add_argument("--out", default="runs/bench_plan", help="output folder (default: runs/bench_plan)")
+    args = p.parse_args(argv)
+    try:
+        worlds = [int(w) for w in args.ranks.split(",")]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 2:
+        raise UserError(f"--ranks {args.ranks!r}: give comma-separated rank counts of 2 or more, e.g. 2,4.")
+    if args.steps < 4:
+        raise UserError(f"--steps must be at least 4 (the first two are warm-up; got {args.steps}).")
+    from tools.plan import calibration_text
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = get_config(args.model)
+    results, notes = [], []
+    for world in worlds:
+        for (name, _, _, kw), (seconds, cal) in zip(layouts(world), measure(world, args, out)):
+            machine = load_calibration(cal)
+            notes.append(f"{name} on {world}: " + calibration_text(json.loads(cal.read_text())))
+            plan = Plan(cfg, world=world, batch=args.global_batch_size, seq_len=args.seq_len, dtype="fp32", **kw)
+            t = step_time(plan, machine)
+            results.append({"layout": name, "ranks": world, "predicted_s": t["step"], "measured_s": seconds,
+                            "matmul_gflops": machine.matmul_rate("fp32") / 1e9,
+                            "busbw_GBps": machine.intra.bandwidth / 1e9, "latency_us": machine.intra.latency * 1e6,
+                            **{k: t[k] for k in TERMS}})
+            print(f"  {name} on {world}: predicted {t['step'] * 1e3:,.0f} ms, measured {seconds * 1e3:,.0f} ms "
+                  f"({notes[-1]})", flush=True)
+    rho = spearman([r["predicted_s"] for r in results], [r["measured_s"] for r in results])
+    from common.measure.metrics import cpu_name
+    lines = [f"model {args.model}, batch {args.global_batch_size} x {args.seq_len}, fp32, gloo, on {cpu_name()} "
+             f"({os.cpu_count()} cores, shared); each layout calibrated just before it ran (matmul GFLOP/s a rank, "
+             f"all-reduce busbw and latency)", "",
+             "| layout | ranks | calibrated GFLOP/s, GB/s, us | predicted ms | measured ms | measured / predicted | "
+             + " | ".join(TERMS) + " |", "|" + "---|" * (6 + len(TERMS))]
+    for r in results:
+        lines.append(f"| {r['layout']} | {r['ranks']} | {r['matmul_gflops']:.1f}, {r['busbw_GBps']:.2f}, "
+                     f"{r['latency_us']:,.0f} | {r['predicted_s'] * 1e3:,.0f} | {r['measured_s'] * 1e3:,.0f} | "
+                     f"{r['measured_s'] / r['predicted_s']:.2f} | "
+                     + " | ".join(f"{r[k] * 1e3:,.0f}" for k in TERMS) + " |")
+    within = sum(abs(r["measured_s"] / r["predicted_s"] - 1) <= 0.25 for r in results)
+    lines += ["", f"within 25%: {within} of {len(results)}; Spearman rank correlation of the orders: {rho:.2f} "
+              f"(targets: all, and >= 0.8)"]
+    text = "\n".join(lines)
+    print("\n" + text)
+    (out / "bench_plan.md").write_text(text + "\n")
+    (out / "bench_plan.json").write_text(json.dumps({"results": results, "spearman": rho, "calibration": notes},
+                                                    indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""Which layout, and how fast? Every layout our scripts run, the ones that fit, ranked by speed.
+
+    python -m tools.plan --model 8b --gpus 32 --gpus-per-node 8 --gpu h100 --global-batch-size 64 --seq-len 8192
+    python -m tools.plan --model 8b --gpus 8 --gpu h100 --global-batch-size 16 --seq-len 8192 --vocab-size 128256
+    python -m tools.plan --torchtitan
+    python -m tools.plan --calibrate --gpus 2 --model small --seq-len 128 --global-batch-size 8
+
+For each layout of the step-3 scripts (DDP, ZeRO-1, FSDP, HSDP, TP with and without SP, the
+pipeline schedules at several micro-batch counts, 2-D, 3-D and CP), under each activation
+checkpointing mode, the planner asks common/measure/theory.py (tools.estimate's formulas)
+for the fullest rank's peak memory and drops what does not fit the card, saying why; asks
+common/measure/steptime.py how long a step takes; and prints the fastest few: memory, the
+step split into compute, recompute, exposed communication, bubble and optimizer, tokens/s,
+MFU, and the command that runs it.
+
+``--gpu`` describes a machine from its spec sheets (steptime.GPUS); ``--calibrate`` measures
+this one (the matmul rate with every rank busy at once, HBM bandwidth, and the collectives'
+bandwidth and latency with the communication lab's benchmark code) and saves it to
+runs/calibration.json, which ``--calibration`` then reads: the CPU can be planned for too.
+``--torchtitan`` predicts torchtitan's published Llama 3.1 8B runs and prints ours beside theirs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: find common/
+
+from common.errors import UserError, main_guard  # noqa: E402
+from common.measure.steptime import GPUS, TERMS, Machine, load_calibration, step_time  # noqa: E402
+from common.measure.theory import Plan  # noqa: E402
+from common.model import PRESETS, count_params, get_config  # noqa: E402
+from tools.estimate import HEADROOM_GIB, check_layouts, label, worst_rank  # noqa: E402
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = ROOT / "runs" / "calibration.json"
+AC_MODES = ("none", "selective", "full")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tools.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
+    p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary (Llama 3's: 128256)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) in all (default: 8)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs a node: rings that leave a node run at the NICs' speed (default: --gpus, one node)")
+    p.add_argument("--gpu", default="h100", help=f"the machine, from spec sheets: {', '.join(GPUS)} (default: h100)")
+    p.add_argument("--calibration", default=None,
+                   help="a machine measured by --calibrate (a calibration.json) instead of --gpu")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per optimizer step (default: the number of GPUs)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: bf16 AMP)")
+    p.add_argument("--ac", default="all", choices=("all", *AC_MODES),
+                   help="activation checkpointing modes to consider (default: all three)")
+    p.add_argument("--compile", action="store_true",
+                   help="predict with torch.compile's achieved matmul rate (the scripts' --compile)")
+    p.add_argument("--headroom", type=float, default=HEADROOM_GIB,
+                   help=f"GiB kept back for the CUDA context, NCCL and fragmentation (default: {HEADROOM_GIB:g})")
+    p.add_argument("--top", type=int, default=5, help="how many of the fastest layouts to show (default: 5)")
+    p.add_argument("--show-dropped", action="store_true", help="list every dropped layout and why")
+    p.add_argument("--torchtitan", action="store_true",
+                   help="predict torchtitan's published Llama 3.1 8B runs and print ours beside theirs")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine with --gpus ranks at --model's shapes and save it (--out)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what --calibrate measures (default: cpu)")
+    p.add_argument("--out", default=str(CALIBRATION), help=f"where --calibrate saves (default: {CALIBRATION.relative_to(ROOT)})")
+    p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def check(args) -> None:
+    if args.model not in PRESETS:
+        raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
+    if args.gpu not in GPUS:
+        raise UserError(f"unknown --gpu {args.gpu!r}; choose one of {', '.join(GPUS)}, or measure this machine "
+                        f"with --calibrate.")
+    for flag in ("gpus", "seq_len", "top"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    for flag in ("gpus_per_node", "global_batch_size", "n_layers"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    g = args.gpus_per_node or args.gpus
+    if args.gpus > g and args.gpus % g:
+        raise UserError(f"--gpus {args.gpus} does not fill whole nodes of --gpus-per-node {g}; use a multiple "
+                        f"of {g}.")
+    if not 0 <= args.headroom < 1e6 or not math.isfinite(args.headroom):
+        raise UserError(f"--headroom must be a finite number of GiB, at least 0 (got {args.headroom:g}).")
+    if args.calibration and not Path(args.calibration).is_file():
+        raise UserError(f"--calibration {args.calibration}: no such file; make it with python -m tools.plan "
+                        f"--calibrate.")
+    try:
+        cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.seq_len > cfg.max_seq_len:
+        raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports ({cfg.max_seq_len}).")
+    if cfg.n_experts:
+        raise UserError(f"--model {args.model} is a mixture of experts; the planner covers dense models (plan "
+                        f"expert parallelism with python -m tools.estimate --strategy ep).")
+
+
+def machine_of(args) -> Machine:
+    m = load_calibration(args.calibration) if args.calibration else GPUS[args.gpu]
+    return replace(m, gpus_per_node=args.gpus_per_node or (m.gpus_per_node if args.calibration else args.gpus))
+
+
+# ---- the layouts our scripts run ----------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: str, device: str,
+            acs=AC_MODES) -> list[Plan]:
+    """Every layout of the step-3 scripts on ``world`` ranks, under each AC mode in ``acs``."""
+    from common.parallelize.pp import SCHEDULES
+    out = []
+    for ac in acs:
+        c = dict(world=world, batch=batch, seq_len=seq_len, dtype=dtype, device=device, ac=ac)
+        if world == 1:
+            out.append(Plan(cfg, "single", **c))
+            continue
+        out += [Plan(cfg, s, **c) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
+        for shard in divisors(world)[:-1]:  # HSDP: shard inside a node, replicate across (or in) nodes
+            if shard <= per_node:
+                out.append(Plan(cfg, "hsdp", shard=shard, **c))
+        for sp in (False, True):
+            out.append(Plan(cfg, "tp", sequence_parallel=sp, **c))
+            out += [Plan(cfg, "2d", tp=tp, sequence_parallel=sp, **c) for tp in divisors(world)[:-1] if tp <= per_node]
+        for schedule in SCHEDULES:  # train_pp.py: every rank a stage
+            out += [Plan(cfg, "pp", schedule=schedule, microbatches=m, **c) for m in (world, 2 * world, 4 * world)]
+        for pp in divisors(world)[:-1]:  # train_3d.py: pp x dp x tp, 1F1B
+            for tp in divisors(world // pp):
+                if tp <= per_node and world // pp // tp > 1:
+                    out += [Plan(cfg, "2d", pp=pp, tp=tp, schedule="1f1b", microbatches=m, **c) for m in (pp, 2 * pp)]
+        for cp in divisors(world):  # train_cp.py: dp groups of cp ranks, DDP or FSDP over every rank
+            out += [Plan(cfg, s, cp=cp, **c) for s in ("cp", "cp_fsdp")]
+    return out
+
+
+def runnable(p: Plan, compiled: bool) -> str | None:
+    """Why no script runs ``p`` (the scripts' own checks, via tools.estimate), or None."""
+    from common.parallelize.pp import check_pp
+    try:
+        check_layouts([p])
+        if p.pp > 1:
+            check_pp(p.cfg, p.pp, p.schedule, p.microbatches or p.pp, max(1, p.batch // p.dp), compile=compiled,
+                     ac=p.ac)
+            if p.batch % (p.dp * (p.microbatches or p.pp)):
+                raise UserError(f"the batch does not split into {p.dp} x {p.microbatches} micro-batches.")
+        if compiled and p.strategy in ("cp", "cp_fsdp"):
+            raise UserError("train_cp.py refuses --compile.")
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def layout_name(p: Plan) -> str:
+    name = label(p).rsplit(" on ", 1)[0]
+    if p.strategy == "2d" and p.pp > 1:
+        name = f"3d pp={p.pp} x dp={p.dp} x tp={p.tp} m={p.microbatches} {p.schedule}"
+    if p.strategy in ("cp", "cp_fsdp"):
+        name = f"{'fsdp' if p.strategy == 'cp_fsdp' else 'ddp'} dp={p.world // p.cp} x cp={p.cp}"
+    if p.sequence_parallel:
+        name += " +sp"
+    return f"{name}, AC {p.ac}"
+
+
+def command(p: Plan, args, per_node: int) -> str:
+    """The step-3 command that runs ``p`` (flags its script accepts: tests/test_plan.py parses it)."""
+    nodes = max(1, p.world // per_node)
+    launch = f"torchrun --nproc-per-node {min(p.world, per_node)}" if nodes == 1 else \
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500"
+    script, extra = {
+        "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
+        "fsdp_zero3": ("train_fsdp.py", []), "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]),
+        "hsdp": ("train_fsdp.py", ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard)]),
+        "tp": ("train_tp.py", []), "2d": ("train_2d.py", ["--tp", str(p.tp)]),
+        "pp": ("train_pp.py", ["--schedule", p.schedule, "--microbatches", str(p.microbatches)]),
+        "cp": ("train_cp.py", ["--dp", str(p.world // (p.cp or p.world))]),
+        "cp_fsdp": ("train_cp.py", ["--dp", str(p.world // (p.cp or p.world)), "--fsdp"]),
+    }[p.strategy]
+    if p.strategy == "2d" and p.pp > 1:
+        script, extra = "train_3d.py", ["--pp", str(p.pp), "--dp", str(p.dp), "--tp", str(p.tp), "--schedule",
+                                        p.schedule, "--microbatches", str(p.microbatches)]
+    if p.sequence_parallel:
+        extra.append("--sequence-parallel")
+    model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
+    model += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
+    flags = [*model, *extra, "--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac]
+    flags += ["--amp", "off"] if p.dtype == "fp32" else []
+    flags += ["--compile"] if args.compile else []
+    return f"{launch} step3_multi_gpu/{script} " + " ".join(flags)
+
+
+def evaluate(ps: list[Plan], machine: Machine, compiled: bool, headroom: float) -> tuple[list[dict], list[dict]]:
+    """(the layouts that fit, fastest first; the dropped ones with why), each a dict of plan,
+    peak memory, the step's terms."""
+    usable = (machine.memory_gib - headroom) * GiB
+    fit, dropped = [], []
+    for p in ps:
+        why = runnable(p, compiled)
+        if why:
+            dropped.append({"plan": p, "why": f"no script runs it: {why}"})
+            continue
+        mem = worst_rank(p)
+        if mem["peak"] > usable:
+            dropped.append({"plan": p, "peak": mem["peak"],
+                            "why": f"does not fit: peak {mem['peak'] / GiB:,.1f} GiB on rank {mem['rank']} "
+                                   f"({mem['peak_at']}) > {usable / GiB:g} GiB usable"})
+            continue
+        fit.append({"plan": p, "peak": mem["peak"], "time": step_time(p, machine, compiled)})
+    fit.sort(key=lambda r: (round(r["time"]["step"], 6), r["peak"]))  # equally fast: the smaller first
+    return fit, dropped
+
+
+def table(rows: list[dict]) -> str:
+    head = "| # | layout | peak GiB | step ms | " + " | ".join(TERMS) + " | tokens/s | per GPU | MFU |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, r in enumerate(rows, 1):
+        t = r["time"]
+        lines.append(f"| {i} | {layout_name(r['plan'])} | {r['peak'] / GiB:.1f} | {t['step'] * 1e3:,.0f} | "
+                     + " | ".join(f"{t[k] * 1e3:,.0f}" for k in TERMS)
+                     + f" | {t['tokens_per_s']:,.0f} | {t['tokens_per_s_per_gpu']:,.0f} | "
+                     + (f"{t['mfu']:.1%} |" if t["mfu"] is not None else "- |"))
+    return "\n".join(lines)
+
+
+def plan_text(args) -> str:
+    """What ``python -m tools.plan`` prints for ``args`` (the chapter's blocks are this text)."""
+    cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
+    machine = machine_of(args)
+    per_node = machine.gpus_per_node
+    batch = args.global_batch_size or args.gpus
+    acs = AC_MODES if args.ac == "all" else (args.ac,)
+    ps = layouts(cfg, args.gpus, per_node, batch, args.seq_len, args.dtype, "cuda" if not args.calibration else "cpu",
+                 acs)
+    fit, dropped = evaluate(ps, machine, args.compile, args.headroom)
+    if not fit and not any("peak" in d for d in dropped):
+        raise UserError(f"no step-3 script runs any layout of --gpus {args.gpus} with --global-batch-size {batch}; "
+                        f"give at least one sequence per data-parallel rank (e.g. --global-batch-size {args.gpus}).")
+    nodes = max(1, args.gpus // per_node)
+    n = count_params(cfg)
+    rate = machine.matmul_rate(args.dtype, args.compile)
+    out = [f"{args.model} ({n / 1e9:.2f}B parameters)" if n >= 1e9 else f"{args.model} ({n / 1e6:.1f}M parameters)"]
+    out[0] += (f", global batch {batch} x {args.seq_len} tokens, "
+           f"{args.dtype}{', compiled' if args.compile else ''}, on {args.gpus} x {machine.name} "
+           f"({nodes} node{'s' if nodes > 1 else ''} of {min(per_node, args.gpus)}); matmuls at "
+           + (f"{rate / 1e12:,.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s") + " a GPU, "
+           f"{len(ps)} layouts: {len(fit)} fit, {len(dropped)} dropped")
+    if not fit:
+        out.append("none fits; the closest:")
+    else:
+        out += ["", table(fit[:args.top]), "", "what each costs, and the command that runs it:"]
+        for i, r in enumerate(fit[:args.top], 1):
+            from common.measure.steptime import explain
+            out += [f"{i}. {layout_name(r['plan'])}: " + explain(r["time"]), f"   {command(r['plan'], args, per_node)}"]
+    closest = sorted((d for d in dropped if "peak" in d), key=lambda d: d["peak"])
+    shown = dropped if args.show_dropped else closest[:3]
+    if shown:
+        out += ["", "dropped" + ("" if args.show_dropped else
+                                 f" ({sum('peak' in d for d in dropped)} do not fit, "
+                                 f"{sum('peak' not in d for d in dropped)} no script runs; the 3 closest to fitting, "
+                                 f"--show-dropped lists all)") + ":"]
+        out += [f"  {layout_name(d['plan'])}: {d['why']}" for d in shown]
+    return "\n".join(out)
+
+
+def layouts_figure(args, path: Path) -> None:
+    """Every layout that fits, as a bar of its predicted step split into the model's terms,
+    fastest at the top, with its tokens/s a GPU: where the time goes, at a glance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
+    machine = machine_of(args)
+    batch = args.global_batch_size or args.gpus
+    acs = AC_MODES if args.ac == "all" else (args.ac,)
+    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs),
+                      machine, args.compile, args.headroom)
+    colors = dict(zip(TERMS, ("#4C72B0", "#8172B3", "#C44E52", "#CCB974", "#55A868")))
+    fig, ax = plt.subplots(figsize=(11, 0.28 * len(fit) + 1.6))
+    for i, r in enumerate(fit):
+        left = 0.0
+        for k in TERMS:
+            v = r["time"][k]
+            ax.barh(i, v, left=left, color=colors[k], label=k if i == 0 else None)
+            left += v
+        ax.text(left, i, f" {r['time']['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak'] / GiB:.0f} GiB",
+                va="center", fontsize=7)
+    ax.set_yticks(range(len(fit)), [layout_name(r["plan"]) for r in fit], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r["time"]["step"] for r in fit) * 1.3)
+    ax.set_xlabel("predicted seconds per step (common/measure/steptime.py)")
+    nodes = max(1, args.gpus // machine.gpus_per_node)
+    ax.set_title(f"{args.model}, batch {batch} x {args.seq_len} on {args.gpus} x {machine.name} ({nodes} node"
+                 f"{'s' if nodes > 1 else ''}): the {len(fit)} layouts that fit, fastest first,\nand where each "
+                 f"step goes (python -m tools.plan --gpus {args.gpus} ...)", fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)  # the fastest bars, at the top, are the shortest
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- calibration: this machine, measured --------------------------------------------------------
+def calibrate(args) -> dict:
+    """Run the measuring job (torchrun, --gpus ranks) and return what it saved."""
+    out = Path(args.out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+           str(ROOT / "tools" / "plan.py"), "--calibrate-worker", "--model", args.model, "--seq-len",
+           str(args.seq_len), "--global-batch-size", str(args.global_batch_size or args.gpus), "--device",
+           args.device, "--out", str(out)] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise UserError(f"the calibration job stopped: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(out.read_text())
+
+
+def calibrate_worker(args) -> None:
+    """One rank of the measuring job: every rank computes at once (as a training job does), then
+    the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
+    import torch
+    import torch.nn.functional as F
+
+    from common.distributed import distributed
+    from common.measure.bench import message_sizes, time_collective
+    from common.measure.steptime import head_flops, layer_flops
+    from common.model import build_model
+    from step3_multi_gpu.bench_collectives import run as bench_run
+    cfg = get_config(args.model, n_layers=args.n_layers)
+    with distributed(args.device) as ctx:
+        dev = ctx.device
+        tokens = max(1, (args.global_batch_size or ctx.world_size) // ctx.world_size) * args.seq_len
+        # The rate our model's own step reaches, one block deep (its matmuls, attention, norms and
+        # the rest, forward and backward, at one rank's tokens): the calibrated counterpart of a
+        # GPU's achieved fraction, which was measured on a whole step too. A bare matmul of the
+        # model's MLP shape is kept beside it, the "spec sheet" of this machine.
+        one = get_config(args.model, n_layers=1)
+        model = build_model(one, dev)
+        x = torch.randint(0, one.vocab_size, (max(1, tokens // args.seq_len), args.seq_len), device=dev)
+
+        def step(dtype: str):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+            loss.backward()
+        rates, peaks = {}, {}
+        for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            t, _ = time_collective(lambda: step(dtype), dev, max_iters=5, budget_s=0.5, blocks=3)
+            rates[dtype] = x.numel() * (layer_flops(one, args.seq_len) + head_flops(one)) / t
+            a = torch.randn(tokens, cfg.dim, dtype=torch_dtype, device=dev)
+            b = torch.randn(cfg.dim, cfg.ffn_dim, dtype=torch_dtype, device=dev)
+            t, _ = time_collective(lambda: a @ b, dev, max_iters=10, budget_s=0.3, blocks=3)
+            peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / t
+        x = torch.empty(2**24, device=dev)  # 64 MiB: a copy reads and writes it
+        y = torch.empty_like(x)
+        t, _ = time_collective(lambda: y.copy_(x), dev, max_iters=10, budget_s=0.3, blocks=3)
+        memory_bps = 2 * x.nbytes / t
+        rows = bench_run(ctx, ["all_reduce"], message_sizes(4096, 16 * 2**20, 4), iters=10, budget_s=0.1, blocks=3)
+        if ctx.is_main:
+            from common.measure.metrics import cpu_name
+            rows.sort(key=lambda r: r["bytes"])
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if dev.type == "cpu" else \
+                torch.cuda.get_device_properties(dev).total_memory * ctx.world_size
+            c = {"name": (cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)) +
+                 f", {ctx.world_size} ranks", "world_size": ctx.world_size, "backend": ctx.backend,
+                 "date": datetime.date.today().isoformat(), "matmul_flops": rates, "bare_matmul_flops": peaks,
+                 "memory_Bps": memory_bps,
+                 "memory_gib": total / ctx.world_size / GiB, "latency_s": rows[0]["time_s"],
+                 "bandwidth_Bps": max(r["busbw_GBps"] for r in rows) * 1e9,
+                 "shapes": f"({tokens} x {cfg.dim}) @ ({cfg.dim} x {cfg.ffn_dim})", "all_reduce": rows}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(c, indent=1))
+
+
+def calibration_text(c: dict) -> str:
+    return (f"{c['name']} ({c['backend']}), measured {c['date']}, every rank at once: the model's step (one "
+            f"block) {c['matmul_flops']['fp32'] / 1e9:,.1f} GFLOP/s fp32 and {c['matmul_flops']['bf16'] / 1e9:,.1f} "
+            f"bf16 a rank (a bare matmul {c['bare_matmul_flops']['fp32'] / 1e9:,.1f} and "
+            f"{c['bare_matmul_flops']['bf16'] / 1e9:,.1f} at {c['shapes']}), memory {c['memory_Bps'] / 1e9:,.1f} GB/s, all-reduce busbw "
+            f"{c['bandwidth_Bps'] / 1e9:,.2f} GB/s, latency {c['latency_s'] * 1e6:,.0f} us")
+
+
+# ---- torchtitan's published runs (docs/performance.md), predicted -------------------------------
+# Llama 3.1 8B (128256-token vocabulary), sequence 8192 unless stated, on torchtitan's H100s
+# (GPUS["torchtitan"]). Memory: the allocator's max reserved, GiB. "compiled": torch.compile.
+# The CP rows also ran Float8 (not modelled: bf16 predicted). The FSDP 8 x TP 8 row's batch
+# and AC are not published beside it: assumed local batch 2 per data-parallel rank, selective AC.
+TORCHTITAN = [
+    # (what, gpus, fsdp, tp, cp, local batch, seq, ac, compiled, tokens/s/GPU, GiB)
+    ("Table 1: FSDP, eager", 8, 8, 1, 1, 2, 8192, "selective", False, 5762, 82.4),
+    ("Table 1: FSDP + compile", 8, 8, 1, 1, 2, 8192, "selective", True, 6667, 77.0),
+    ("Table 3: FSDP, eager", 128, 128, 1, 1, 2, 8192, "selective", False, 5605, 67.0),
+    ("Table 3: FSDP + compile", 128, 128, 1, 1, 2, 8192, "selective", True, 6514, 62.0),
+    ("Table 2: FSDP 8, CP 1 (+compile, float8)", 8, 8, 1, 1, 1, 32768, "full", True, 3890, 83.9),
+    ("Table 2: FSDP 4, CP 2 (+compile, float8)", 8, 8, 1, 2, 1, 65536, "full", True, 2540, 84.2),
+    ("Table 2: FSDP 2, CP 4 (+compile, float8)", 8, 8, 1, 4, 1, 131072, "full", True, 1071, 84.0),
+    ("Table 2: FSDP 1, CP 8 (+compile, float8)", 8, 8, 1, 8, 1, 262144, "full", True, 548, 84.5),
+    ("FSDP 8 x TP 8, 64 GPUs (batch assumed)", 64, 8, 8, 1, 2, 8192, "selective", False, 4378, None),
+]
+
+
+def torchtitan_rows() -> list[dict]:
+    """Our prediction of each published run: tokens/s a GPU and the peak, beside theirs."""
+    machine = GPUS["torchtitan"]
+    out = []
+    for what, gpus, fsdp, tp, cp, local, seq, ac, compiled, tps, gib in TORCHTITAN:
+        cfg = get_config("8b", vocab_size=128256, max_seq_len=max(seq, 8192))
+        dp = gpus // tp // cp
+        c = dict(world=gpus, seq_len=seq, dtype="bf16", ac=ac, device="cuda")
+        if cp > 1:
+            p = Plan(cfg, "cp_fsdp", batch=local * gpus // cp, cp=cp, **c)
+        elif tp > 1:
+            p = Plan(cfg, "2d", tp=tp, batch=local * dp, **c)
+        else:
+            p = Plan(cfg, "fsdp_zero3", batch=local * gpus, **c)
+        t = step_time(p, machine, compiled)
+        mem = worst_rank(p)
+        # train_cp.py's ring attention keeps one block's fp32 scores (a lesson on CPU); torchtitan's
+        # runs a flash kernel per block, which keeps none: their peak is ours without that term
+        scores = sum(v for k, v in mem["transient"].items() if "scores" in k)
+        peak = (mem["peak"] - scores) / GiB
+        out.append({"what": what, "gpus": gpus, "seq": seq, "ac": ac, "theirs": tps, "ours": t["tokens_per_s_per_gpu"],
+                    "their_gib": gib, "our_gib": peak, "scores_gib": scores / GiB, "time": t, "plan": p})
+    return out
+
+
+def torchtitan_text(rows: list[dict] | None = None) -> str:
+    m = GPUS["torchtitan"]
+    lines = [f"torchtitan's Llama 3.1 8B runs (docs/performance.md) on {m.name}: matmuls at "
+             f"{m.matmul_rate('bf16') / 1e12:.0f} TFLOP/s eager, {m.matmul_rate('bf16', True) / 1e12:.0f} compiled "
+             f"(our 1b's measured fractions of 989), HBM {m.hbm / 1e12:.1f} TB/s, NVLink {m.intra.bandwidth / 1e9:.0f} "
+             f"GB/s and {m.inter.bandwidth / 1e9:.0f} GB/s a GPU across hosts (busbw)", "",
+             "| run | GPUs | seq | AC | tokens/s/GPU theirs | ours | ours/theirs | GiB theirs (reserved) | ours (peak) "
+             "| ours/theirs | where our step goes (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows or torchtitan_rows():
+        t = r["time"]
+        terms = ", ".join(f"{k} {t[k] * 1e3:,.0f}" for k in TERMS if t[k] * 1e3 >= 0.5)
+        mem = f"{r['their_gib']:.1f} | {r['our_gib']:.1f} | {r['our_gib'] / r['their_gib']:.2f}" if r["their_gib"] \
+            else f"- | {r['our_gib']:.1f} | -"
+        if r["scores_gib"]:
+            mem += f" (+{r['scores_gib']:,.0f} GiB of scores in train_cp.py)"
+        lines.append(f"| {r['what']} | {r['gpus']} | {r['seq']:,} | {r['ac']} | {r['theirs']:,} | {r['ours']:,.0f} | "
+                     f"{r['ours'] / r['theirs']:.2f} | {mem} | {terms} |")
+    return "\n".join(lines)
+
+
+@main_guard
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.calibrate_worker:
+        return calibrate_worker(args)
+    if args.torchtitan:
+        print(torchtitan_text())
+        return
+    check(args)
+    if args.calibrate:
+        print(calibration_text(calibrate(args)))
+        print(f"saved to {args.out}; plan with it: python -m tools.plan --calibration {args.out} ...")
+        return
+    print(plan_text(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
