@@ -305,6 +305,52 @@ def chapter1_generation(suffix: str = "") -> dict[str, str]:
     return {"generate-01" + suffix: f"```bash\npython -m tools.generate {shlex.join(args)}\n```\n\n```text\n{text}\n```"}
 
 
+# The faults page: a run that crashed and resumed is the run that never stopped, down to what its
+# model writes. FSDP on 2 ranks, checkpoints every 4 steps; the second run crashes at step 6 and
+# is started again with --resume; both gather their weights, and tools.generate samples from each.
+_RESUME = ["step3_multi_gpu/train_fsdp.py", "--model", "small", "--steps", "12", "--ckpt-every", "4",
+           "--amp", "off", "--no-trace-memory", "--eval-batches", "0", "--save-weights"]
+_RESUME_PROMPT = ["--prompt", "import ", "--max-new-tokens", "120", "--temperature", "0.8", "--top-k", "50",
+                  "--seed", "0"]
+
+
+def resume_generation(suffix: str = "") -> dict[str, str]:
+    """step4_multi_node/README.md's block resume-generate: the uninterrupted and the resumed
+    run's models continue one prompt with one seed, and must write the same bytes."""
+    import shlex
+    device = "cuda" if suffix else "cpu"
+    whole, crashed = run_dir("05_resume/whole", suffix), run_dir("05_resume/crashed", suffix)
+    for folder in (whole, crashed):
+        shutil.rmtree(folder, ignore_errors=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    show = "torchrun --standalone --nproc-per-node 2"
+    steps = [(whole, [], 0), (crashed, ["--fail-at-step", "6"], None), (crashed, ["--resume"], 0)]
+    shown = []
+    for folder, extra, want in steps:
+        argv = [*_RESUME, "--device", device, "--out", str(folder.relative_to(ROOT)), *extra]
+        p = subprocess.run([*torchrun, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if (want is not None and p.returncode != want) or (want is None and p.returncode == 0):
+            raise UserError(f"{show} {shlex.join(argv)} exited {p.returncode}: {p.stderr.strip()[-300:]}")
+        shown.append(f"{show} {shlex.join(argv)}" + ("     # crashes at step 6" if want is None else ""))
+    texts = []
+    for folder in (whole, crashed):
+        argv = [str(folder.relative_to(ROOT)), *_RESUME_PROMPT, "--device", device]
+        p = subprocess.run([sys.executable, "-m", "tools.generate", *argv], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+        if p.returncode:
+            raise UserError(f"python -m tools.generate failed: {p.stderr.strip()[-300:]}")
+        shown.append(f"python -m tools.generate {shlex.join(argv)}")
+        # the continuation alone: the header names the folder and the last line the speed
+        texts.append("\n".join(p.stdout.rstrip("\n").splitlines()[1:-1]))
+    same = "the same bytes" if texts[0] == texts[1] else "DIFFERENT bytes"
+    out = "\n".join(shown)
+    body = (f"```bash\n{out}\n```\n\nThe uninterrupted run's model, then the resumed one's ({same}):\n\n"
+            + "\n\n".join(f"```text\n{t.replace(chr(96) * 3, chr(96) + chr(8203) + chr(96) * 2)}\n```" for t in texts))
+    if texts[0] != texts[1]:
+        raise UserError(f"the resumed run's model wrote other bytes than the uninterrupted one's:\n{body}")
+    return {"resume-generate" + suffix: body}
+
+
 def chapter3b_table(suffix: str = "") -> dict[str, str]:
     """Measured per-rank memory, bytes and step time of every strategy among the 03_strategies
     runs; written to figs/03b_table.md and returned as {README marker: markdown}."""
@@ -592,6 +638,7 @@ POST_STEPS = [("01", chapter1_table), ("01", chapter1_generation), ("02", chapte
               ("estimates", estimates), ("gpu", gpu_check_report), ("misuse", misuse_table),
               ("02_float8", float8_table), ("03_deepspeed", deepspeed_table)]
 POST_STEPS.append(("03_ep", write_ep_figures))
+POST_STEPS.append(("05_resume", resume_generation))
 
 # The estimator's --dry-run beside its formula and its trace, for a layout no machine here could
 # hold whole: Llama 3.2 1B's shape (its 128256-token vocabulary, synthetic ids) as rank 0 of FSDP
