@@ -21,8 +21,17 @@ was checked by hand the same way). The saved ``parallel`` layout is therefore no
 reason to refuse; the model shape, batch, sequence length, seed, data and gradient
 accumulation are.
 
+Preemption: a SIGTERM or SIGUSR1 (a cluster taking the nodes back; torchrun forwards both
+to every rank when told to) is only noted by the rank that gets it. At the end of every
+step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and copies
+the result to the host without waiting; the next step reads it. So the ranks decide
+together, at the same step, even when the signal reached one rank alone, and no step waits
+for the vote. Then every rank saves that step and the run exits with EXIT_PREEMPTED (75)
+and "preempted at step N ...; resume with --resume".
+
 Also here, because they belong to the same "the run must survive" step: the non-finite
-loss check and the fault injection (``--fail-at-step``) used to test elastic restarts.
+loss check and the fault injection (``--fail-at-step``, ``--fail-how``) used to test
+elastic restarts and preemption.
 
 ``python -m common.checkpoint export <checkpoint folder> <file.pt>`` turns a checkpoint
 into one plain ``torch.save`` file of full tensors for inference.
@@ -36,7 +45,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -51,9 +62,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.errors import UserError
+from common.errors import Preempted, UserError
+from common.measure.syncs import HostCopy
 
 PARTIAL = "_partial"
+# What a cluster sends before it takes the nodes back: Slurm's SIGTERM at the time limit or
+# on preemption, and the early warning asked for with #SBATCH --signal=B:USR1@120.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FAIL_HOW = ("exit", "sigterm", "sigusr1", "sigterm-torchrun")
 
 
 def add_flags(p: argparse.ArgumentParser):
@@ -68,6 +84,10 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--fail-at-step", type=int, default=None,
                    help="testing: crash at this step, on the first attempt only (see --max-restarts)")
     g.add_argument("--fail-rank", type=int, default=0, help="testing: the rank --fail-at-step crashes (default: 0)")
+    g.add_argument("--fail-how", choices=FAIL_HOW, default="exit",
+                   help="testing: what --fail-at-step does to --fail-rank: exit (a hard crash, default), sigterm or "
+                        "sigusr1 (that rank alone gets the signal, while its checkpoint of the step is written), "
+                        "sigterm-torchrun (it sends SIGTERM to torchrun, which forwards it to every rank)")
     g.add_argument("--pg-timeout", type=float, default=600.0,
                    help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
 
@@ -93,6 +113,11 @@ def check_flags(args):
         raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
     if args.fail_rank < 0:
         raise UserError(f"--fail-rank cannot be negative (got {args.fail_rank}).")
+    if args.fail_how != "exit" and args.fail_at_step is None:
+        raise UserError(f"--fail-how {args.fail_how} says what happens at --fail-at-step; give that step too.")
+    if args.fail_how == "sigterm-torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise UserError("--fail-how sigterm-torchrun signals the torchrun that started this run, and there is none; "
+                        "launch with torchrun, or use --fail-how sigterm.")
     # torchrun says the world size before any group exists: refuse here, on every rank alike.
     # (Refused later, after DDP's first collectives, the ranks' gloo teardown could hang.)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,6 +198,51 @@ class Checkpointer:
         if args.fail_at_step is not None and args.fail_rank >= ctx.world_size:
             raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
                             f"{ctx.world_size - 1}.")
+        self.signalled: str | None = None  # the stop signal this rank received, if any
+        self._vote = None  # the HostCopy of the last step's vote, read one step late
+        self._flag = torch.zeros(1, device=ctx.device)  # reused: filling it queues no host wait
+        self._handlers = {}
+        if not getattr(ctx, "fake", False) and threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, self._on_signal)
+
+    # ---- preemption ---------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        # Only a note: the step goes on, and nothing is printed here (a print inside a print
+        # that the signal interrupted raises "reentrant call").
+        self.signalled = signal.Signals(signum).name
+
+    def close(self):
+        """Give the signals back to whoever had them (a harness running several runs)."""
+        for sig, old in self._handlers.items():
+            signal.signal(sig, old)
+        self._handlers = {}
+
+    def _cast_vote(self):
+        """This rank's "stop?" into one all-reduce (MAX), read by the next step's
+        ``stop_agreed``. On a GPU the reduction and the copy to the host are queued behind
+        the step's work and nothing waits for them now."""
+        self._flag.fill_(1.0 if self.signalled else 0.0)
+        if self.ctx.has_peers:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        self._vote = HostCopy({"stop": self._flag}, self.ctx.device)
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal by the end of the previous step. The same
+        answer on every rank, from the same reduction: they all stop after this step."""
+        if self._vote is None:
+            return False
+        stop, self._vote = self._vote.values()["stop"][0] > 0, None
+        return stop
+
+    def _send_fault_signal(self):
+        """--fail-how sigterm/sigusr1/sigterm-torchrun: what a cluster does, on cue."""
+        how = self.args.fail_how
+        sig = signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM
+        target = os.getppid() if how == "sigterm-torchrun" else os.getpid()  # torchrun started this worker
+        print(f"[rank {self.ctx.rank}] --fail-at-step {self.args.fail_at_step}: sending {sig.name} to "
+              f"{'torchrun' if target != os.getpid() else 'this rank alone'}", flush=True)
+        os.kill(target, sig)
 
     # ---- state --------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -332,16 +402,27 @@ class Checkpointer:
             raise UserError(f"the gradient norm is {grad_norm} at step {step} (rank {self.ctx.rank}); lower --lr, "
                             f"or pass --on-nan skip to skip such steps.")
 
-    def end_step(self, step: int):
-        """After an optimizer step (and its ``check_finite``): save, inject a test fault."""
+    def end_step(self, step: int, stop: bool = False):
+        """After an optimizer step (and its ``check_finite``): save, inject a test fault,
+        vote on stopping. ``stop`` (from ``stop_agreed``): save this step and leave."""
         if getattr(self.ctx, "fake", False):
             return
-        if self.saves_at(step):
-            self.save(step)
-        if (self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank):
+        fault = self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank
+        if fault and self.args.fail_how != "exit":
+            self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
+        last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
+        if self.saves_at(step) or (stop and not last):
+            path = self.save(step)
+            if stop and not last:
+                self.close()
+                raise Preempted(f"preempted at step {step}: every rank saved {path}; resume with --resume "
+                                f"(the same command line with --resume continues from step {step + 1}).")
+        if fault and self.args.fail_how == "exit":
             # A hard crash, as a dying node gives: no cleanup, no exception handling.
             print(f"[rank {self.ctx.rank}] --fail-at-step {step}: crashing on purpose", flush=True)
             os._exit(17)
+        if not last:
+            self._cast_vote()
 
 
 def _union(modules) -> torch.nn.Module:

@@ -111,11 +111,16 @@ class Run:
         rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
                                 or (self.profile.enabled and step in self.profile.steps),
                                 now=self.ckpt.saves_at(step), **extra)
+        # A SIGTERM/SIGUSR1 seen by any rank up to the previous step (read after Metrics' copy
+        # of this step is queued, so that reading the vote waits for the previous step only)
+        stop = self.ckpt.stop_agreed()
+        if stop:
+            rows += self.metrics.flush()  # this step's row too: it is the one being saved
         if self.scheduler is not None:
             self.scheduler.step()
         for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
             self.ckpt.check_finite(row["step"], row["loss"], row.get("grad_norm"))
-        self.ckpt.end_step(step)  # --ckpt-every, --fail-at-step
+        self.ckpt.end_step(step, stop)  # --ckpt-every, preemption, --fail-at-step
 
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""
@@ -153,6 +158,7 @@ class Run:
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
+        self.ckpt.close()
         unlock_out(self.lock)
         if not math.isfinite(self.metrics.last_loss) and not ctx.fake:
             # --on-nan skip keeps a run going past bad steps; one that ends non-finite has
