@@ -47,7 +47,9 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -201,7 +203,8 @@ class Checkpointer:
         self.signalled: str | None = None  # the stop signal this rank received, if any
         self._vote = None  # the HostCopy of the last step's vote, read one step late
         self._flag = torch.zeros(1, device=ctx.device)  # reused: filling it queues no host wait
-        self._handlers = {}
+        self._handlers, self._closed = {}, False
+        self._progress, self._longest = time.monotonic(), 0.0  # step ends and saves, for _give_up_if_stuck
         if not getattr(ctx, "fake", False) and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._handlers[sig] = signal.signal(sig, self._on_signal)
@@ -210,13 +213,34 @@ class Checkpointer:
     def _on_signal(self, signum, frame):
         # Only a note: the step goes on, and nothing is printed here (a print inside a print
         # that the signal interrupted raises "reentrant call").
-        self.signalled = signal.Signals(signum).name
+        first, self.signalled = self.signalled is None, signal.Signals(signum).name
+        if first:
+            threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True).start()
+
+    def _mark_progress(self):
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._progress)
+        self._progress = now
+
+    def _give_up_if_stuck(self, signum: int):
+        """torchrun sends the same SIGTERM when it stops the job because another rank died:
+        then the step in flight waits for a rank that is gone (NCCL waits until --pg-timeout)
+        and would hold up the restart until torchrun's SIGKILL. A rank that reaches no step
+        end (nor a checkpoint's start or end) in 3 times the longest step or save seen so far,
+        and at least 10 s, after the signal stops at once."""
+        while not self._closed:
+            time.sleep(0.2)
+            idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
+            if idle > patience and not self._closed:
+                print(f"[rank {self.ctx.rank}] {self.signalled}: no step ended in {idle:.0f} s since the signal "
+                      f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
 
     def close(self):
         """Give the signals back to whoever had them (a harness running several runs)."""
         for sig, old in self._handlers.items():
             signal.signal(sig, old)
-        self._handlers = {}
+        self._handlers, self._closed = {}, True  # (and the watch on a stuck step ends)
 
     def _cast_vote(self):
         """This rank's "stop?" into one all-reduce (MAX), read by the next step's
@@ -407,12 +431,14 @@ class Checkpointer:
         vote on stopping. ``stop`` (from ``stop_agreed``): save this step and leave."""
         if getattr(self.ctx, "fake", False):
             return
+        self._mark_progress()
         fault = self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank
         if fault and self.args.fail_how != "exit":
             self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
         last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
         if self.saves_at(step) or (stop and not last):
             path = self.save(step)
+            self._mark_progress()
             if stop and not last:
                 self.close()
                 raise Preempted(f"preempted at step {step}: every rank saved {path}; resume with --resume "
