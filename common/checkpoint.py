@@ -21,6 +21,10 @@ was checked by hand the same way). The saved ``parallel`` layout is therefore no
 reason to refuse; the model shape, batch, sequence length, seed, data and gradient
 accumulation are.
 
+``--ckpt-async``: ``dcp.async_save`` copies the state to host memory (the step waits for
+that), then a thread writes it, on a gloo group of its own; rank 0 declares the checkpoint
+(meta.json, the rename) only once the write has ended everywhere. One write at a time.
+
 Preemption: a SIGTERM or SIGUSR1 (a cluster taking the nodes back; torchrun forwards both
 to every rank when told to) is only noted by the rank that gets it. At the end of every
 step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and copies
@@ -79,6 +83,9 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--ckpt-every", type=int, default=0,
                    help="save a checkpoint every N steps into <out>/checkpoints (default: 0, never)")
     g.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest K complete checkpoints (default: 2)")
+    g.add_argument("--ckpt-async", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint.async_save): the step waits "
+                        "only for the copy of the state to host memory; one write at a time")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in <out>/checkpoints, if there is one")
     g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
@@ -102,6 +109,9 @@ def check_flags(args):
         raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
     if not args.pg_timeout > 0:
         raise UserError(f"--pg-timeout must be positive seconds (got {args.pg_timeout}).")
+    if getattr(args, "ckpt_async", False) and not args.ckpt_every:
+        raise UserError("--ckpt-async says how checkpoints are written, and --ckpt-every is 0 (none are); give "
+                        "--ckpt-every N too.")
     if args.ckpt_keep < 1:
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
     if not math.isfinite(args.pg_timeout):
@@ -202,14 +212,23 @@ class Checkpointer:
                             f"{ctx.world_size - 1}.")
         self.signalled: str | None = None  # the stop signal this rank received, if any
         self._vote = None  # the HostCopy of the last step's vote, read one step late
-        self._flag = torch.zeros(1, device=ctx.device)  # reused: filling it queues no host wait
+        self._flag = None  # the vote's device tensor, reused: filling it queues no host wait
         self._handlers, self._closed = {}, False
+        # --ckpt-async: the write in flight (thread, step, folder), its error, its host copy's bytes
+        self._writing, self._write_error, self.staging_bytes, self.write_seconds = None, None, 0, []
+        self._write_group = None
+        if getattr(args, "ckpt_async", False) and dist.is_initialized() and not getattr(ctx, "fake", False):
+            # every rank, at once (a collective); on GPUs it is also the CPU backend async_save requires
+            self._write_group = dist.new_group(backend="gloo")
         self._progress, self._longest = time.monotonic(), 0.0  # step ends and saves, for _give_up_if_stuck
-        if not getattr(ctx, "fake", False) and threading.current_thread() is threading.main_thread():
+
+    # ---- preemption ---------------------------------------------------------------------
+    def listen(self):
+        """From now until ``close``, SIGTERM and SIGUSR1 ask every rank to save and stop."""
+        if not getattr(self.ctx, "fake", False) and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._handlers[sig] = signal.signal(sig, self._on_signal)
 
-    # ---- preemption ---------------------------------------------------------------------
     def _on_signal(self, signum, frame):
         # Only a note: the step goes on, and nothing is printed here (a print inside a print
         # that the signal interrupted raises "reentrant call").
@@ -246,6 +265,8 @@ class Checkpointer:
         """This rank's "stop?" into one all-reduce (MAX), read by the next step's
         ``stop_agreed``. On a GPU the reduction and the copy to the host are queued behind
         the step's work and nothing waits for them now."""
+        if self._flag is None:
+            self._flag = torch.zeros(1, device=self.ctx.device)
         self._flag.fill_(1.0 if self.signalled else 0.0)
         if self.ctx.has_peers:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
@@ -296,7 +317,12 @@ class Checkpointer:
                 "data_position": self.batches.state_dict() if self.batches else None}
 
     # ---- save ---------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
+    def save(self, step: int, blocking: bool = False) -> Path:
+        """Write the checkpoint of ``step``. With --ckpt-async (and not ``blocking``), this
+        returns once the state is copied to host memory; a thread writes the files, and
+        rank 0 declares the checkpoint (meta.json, the rename) once every rank's files are
+        written. One save at a time: the next one (and the run's end) waits for this one."""
+        self.wait()
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
         error = None
@@ -307,29 +333,70 @@ class Checkpointer:
             except OSError as e:
                 error = e
         self._all_ok(error, partial, step)
+        background = self.args.ckpt_async and not blocking
         try:
-            dcp.save(self._state(), checkpoint_id=str(partial))
             torch.save({"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
                        partial / f"rng_rank{self.ctx.rank}.pt")
+            state = self._state()
+            if background:
+                self.staging_bytes = _local_bytes(state)  # what the stager copies to host memory
+                # async_save copies every tensor to host memory now (the training waits for
+                # that), then writes from the copy in a thread, on a gloo group of its own: a
+                # thread's collectives must never interleave with the training's on one group.
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._write_group)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a folder gone read-only
             # (DCP's CheckpointException derives from BaseException, not Exception)
             error = e
-        self._all_ok(error, partial, step)  # every rank's files are on disk before the checkpoint is declared
-        if self.ctx.is_main:
-            try:
-                (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
-                if final.exists():  # the same step again (a resumed run): replace it whole
-                    shutil.rmtree(final)
-                os.replace(partial, final)  # atomic: complete or absent, never half
-            except OSError as e:
-                error = e
+        self._all_ok(error, partial, step)  # staged (async) or written (sync) on every rank
+        if background:
+            self._writing = (threading.Thread(target=self._finish_write, args=(future, step, partial, final),
+                                              name="checkpoint-write"), step, partial)
+            self._writing[0].start()
+            return final
+        error = self._declare(step, partial, final) if self.ctx.is_main else None
         self._all_ok(error, partial, step)
-        if self.ctx.is_main:
-            for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
-                shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
+
+    def _declare(self, step: int, partial: Path, final: Path) -> OSError | None:
+        """Rank 0, once every rank's files are on disk: meta.json, the atomic rename, then the
+        oldest checkpoints go. Returns the error, if any."""
+        try:
+            (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
+            if final.exists():  # the same step again (a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(partial, final)  # atomic: complete or absent, never half
+        except OSError as e:
+            return e
+        for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return None
+
+    def _finish_write(self, future, step: int, partial: Path, final: Path):
+        """The write's thread: wait for DCP's write; on rank 0, declare the checkpoint. DCP's
+        write ends on rank 0 after it has gathered every rank's result (and written
+        .metadata), so every rank's files are there by then."""
+        t0 = time.perf_counter()
+        try:
+            future.result()
+            self.write_seconds.append(time.perf_counter() - t0)
+            if self.ctx.is_main:
+                self._write_error = self._declare(step, partial, final)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - said by wait(), on every rank
+            self._write_error = e
+
+    def wait(self):
+        """Wait for the checkpoint being written in the background, if any; every rank then
+        agrees it is complete (or stops with one sentence if a rank's write failed)."""
+        if self._writing is None:
+            return
+        thread, step, partial = self._writing
+        thread.join()
+        error, self._writing, self._write_error = self._write_error, None, None
+        self._all_ok(error, partial, step)
 
     def _all_ok(self, error: BaseException | None, partial: Path, step: int):
         """A barrier that also agrees on failure: a rank that could not write must not leave
@@ -437,7 +504,7 @@ class Checkpointer:
             self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
         last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
         if self.saves_at(step) or (stop and not last):
-            path = self.save(step)
+            path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
             self._mark_progress()
             if stop and not last:
                 self.close()
@@ -449,6 +516,17 @@ class Checkpointer:
             os._exit(17)
         if not last:
             self._cast_vote()
+
+
+def _local_bytes(state) -> int:
+    """Bytes of the tensors this rank holds in a state dict (its shards of DTensors)."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_local_bytes(v) for v in state)
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
 
 
 def _union(modules) -> torch.nn.Module:

@@ -8,7 +8,8 @@
     run.finish(val_loss=...)          # figure, summary.json, predicted vs measured, bytes sent
 
 What it drives, each living in its own module:
-- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--on-nan``;
+- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--ckpt-async``, ``--on-nan``,
+  and preemption (SIGTERM/SIGUSR1: every rank saves one agreed step, then exits 75);
 - ``MemoryTracer`` (common/measure/memory.py): the categorised timeline of a few steps;
 - ``CommCounter`` (common/measure/comm.py): bytes by collective, per optimizer step;
 - ``Metrics`` (common/measure/metrics.py): step time, tokens/s, MFU, the files in --out;
@@ -64,6 +65,7 @@ class Run:
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        self.ckpt.listen()  # SIGTERM/SIGUSR1 (a cluster taking the nodes back): save one agreed step, stop
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)
         if fsdp:
@@ -135,6 +137,10 @@ class Run:
         """Draw the memory figure, write summary.json, print prediction and bytes (rank 0);
         with --save-weights, gather the weights into OUT/weights.pt."""
         a, ctx = self.args, self.ctx
+        self.ckpt.wait()  # --ckpt-async: the last checkpoint is written and declared before the run ends
+        if self.ckpt.staging_bytes:
+            # host memory, per rank (rank 0's), and how long each background write took
+            extra |= {"ckpt_staging_bytes": self.ckpt.staging_bytes, "ckpt_write_s": self.ckpt.write_seconds}
         if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
             save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"

@@ -154,7 +154,7 @@ TWO_NODES = {
     "fsdp4": {"script": "fsdp", "flags": B3 + C},
     "zero1_4": {"script": "ddp", "flags": B3 + C + ["--zero1"]},
 }
-# Job 2, 2 ranks under torchrun --max-restarts 3: three runs crash once each.
+# Job 2, 2 ranks under torchrun --max-restarts 4: four runs crash once each.
 R = B3 + C + ["--resume"]
 ELASTIC = {
     "ddp": {"script": "ddp", "flags": B3 + C},
@@ -186,6 +186,10 @@ ELASTIC = {
     "fsdp_sigusr1_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_sigusr1_in_save", "latest"]},
     # ... and SIGTERM to torchrun itself (PREEMPT_TORCHRUN, a job of its own, before this one)
     "fsdp_torchrun_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_torchrun", "latest"]},
+    # --ckpt-async: written in the background, resumed exactly (by --resume, and after a crash)
+    "ddp_async": {"script": "ddp", "flags": B3 + C + ["--ckpt-async"]},
+    "ddp_async_resumed": {"script": "ddp", "flags": R + ["--ckpt-async"], "from": ["ddp_async", 3]},
+    "fsdp_async_fault": {"script": "fsdp", "flags": R + ["--ckpt-async", "--fail-at-step", "4", "--fail-rank", "1"]},
     # misuse: each one sentence, exit 2, the checkpoint left as it was
     "bad_accum": {"script": "ddp", "flags": R + ["--grad-accum-steps", "2"], "from": ["ddp", 3]},
     "bad_preset": {"script": "fsdp", "flags": R + ["--n-layers", "1"], "from": ["fsdp4", 3]},
@@ -242,10 +246,10 @@ def jobs(tmp_path_factory):
     data.write_bytes(bytes(range(256)) * 64 + "caf\u00e9 na\u00efve".encode("latin-1") * 500)
     plan = json.loads(json.dumps(ELASTIC).replace("NON_UTF8", str(data)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "3", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+                        "--max-restarts", "4", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("crashing on purpose") == 3, r.stdout[-3000:]
+    assert r.stdout.count("crashing on purpose") == 4, r.stdout[-3000:]
     elastic = _results(folder, ELASTIC)
     for name, res in {**two_nodes, **elastic}.items():
         expected = 2 if name in ERRORS else 75 if name in PREEMPTED else 0
@@ -327,6 +331,32 @@ def test_preempted_runs_stop_together_save_and_resume_exactly(jobs, tmp_path):
         assert all(torch.equal(final[k], v) for k, v in expected.items()), name
     # the checkpoint of step 3, written while the signal arrived, is complete and kept
     assert e["fsdp_sigusr1_in_save"]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_async_checkpoints_resume_exactly_and_stage_the_predicted_bytes(jobs, tmp_path):
+    """--ckpt-async: the same checkpoints (declared only once written), a --resume from one and
+    a restart after rank 1 crashed give the losses and final weights of the synchronous run,
+    bit for bit; the host copy is this rank's state, as common/measure/theory.py says."""
+    from common.measure.theory import ckpt_staging_bytes
+    e = jobs.elastic
+    assert e["ddp_async"]["losses"] == e["ddp"]["losses"]
+    assert e["ddp_async"]["checkpoints"] == e["ddp"]["checkpoints"] == ["step_00000001", "step_00000003",
+                                                                         "step_00000005"]
+    assert list(e["ddp_async_resumed"]["losses"]) == ["4", "5"]
+    assert e["ddp_async_resumed"]["losses"] == {s: e["ddp"]["losses"][s] for s in ("4", "5")}
+    fault = e["fsdp_async_fault"]
+    assert fault["restarted"] and fault["losses"] == e["fsdp"]["losses"]
+    assert fault["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
+    for run, ref in (("ddp_async", "ddp"), ("ddp_async_resumed", "ddp"), ("fsdp_async_fault", "fsdp")):
+        final = _weights(jobs.folder / run / "checkpoints" / "step_00000005", tmp_path)
+        expected = _weights(jobs.folder / ref / "checkpoints" / "step_00000005", tmp_path)
+        assert all(torch.equal(final[k], v) for k, v in expected.items()), run
+    cfg = get_config("debug")
+    for run, strategy in (("ddp_async", "ddp"), ("fsdp_async_fault", "fsdp")):
+        summary = json.loads((jobs.folder / run / "summary.json").read_text())
+        assert summary["ckpt_staging_bytes"] == ckpt_staging_bytes(strategy, cfg, world=2, rank=0), run
+    n = sum(p.numel() for p in Transformer(cfg).parameters())
+    assert ckpt_staging_bytes("ddp", cfg, 2) == 12 * n + 4 * len(list(Transformer(cfg).parameters()))
 
 
 def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
