@@ -351,21 +351,22 @@ class Checkpointer:
             # (DCP's CheckpointException derives from BaseException, not Exception)
             error = e
         self._all_ok(error, partial, step)  # staged (async) or written (sync) on every rank
+        meta = self._meta(step)  # now: the LR schedule and data position move on while a write runs
         if background:
-            self._writing = (threading.Thread(target=self._finish_write, args=(future, step, partial, final),
+            self._writing = (threading.Thread(target=self._finish_write, args=(future, meta, partial, final),
                                               name="checkpoint-write"), step, partial)
             self._writing[0].start()
             return final
-        error = self._declare(step, partial, final) if self.ctx.is_main else None
+        error = self._declare(meta, partial, final) if self.ctx.is_main else None
         self._all_ok(error, partial, step)
         dist.barrier()
         return final
 
-    def _declare(self, step: int, partial: Path, final: Path) -> OSError | None:
+    def _declare(self, meta: dict, partial: Path, final: Path) -> OSError | None:
         """Rank 0, once every rank's files are on disk: meta.json, the atomic rename, then the
         oldest checkpoints go. Returns the error, if any."""
         try:
-            (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
+            (partial / "meta.json").write_text(json.dumps(meta, indent=1))
             if final.exists():  # the same step again (a resumed run): replace it whole
                 shutil.rmtree(final)
             os.replace(partial, final)  # atomic: complete or absent, never half
@@ -375,7 +376,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         return None
 
-    def _finish_write(self, future, step: int, partial: Path, final: Path):
+    def _finish_write(self, future, meta: dict, partial: Path, final: Path):
         """The write's thread: wait for DCP's write; on rank 0, declare the checkpoint. DCP's
         write ends on rank 0 after it has gathered every rank's result (and written
         .metadata), so every rank's files are there by then."""
@@ -384,7 +385,7 @@ class Checkpointer:
             future.result()
             self.write_seconds.append(time.perf_counter() - t0)
             if self.ctx.is_main:
-                self._write_error = self._declare(step, partial, final)
+                self._write_error = self._declare(meta, partial, final)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - said by wait(), on every rank
             self._write_error = e
 

@@ -674,15 +674,14 @@ def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
 
 
 # ==== random kills ==============================================================================
-def test_random_kills_end_where_an_uninterrupted_run_ends(jobs, tmp_path):
+def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
     """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments (one at least while
     a checkpoint is being written) under torchrun --max-restarts 3 --resume; the job still ends
     with the uninterrupted DDP run's losses and final weights and AdamW state, bit for bit.
-    The reference is the `jobs` fixture's DDP run (the same flags)."""
+    The tool runs the reference itself (16 steps: kills stop once the last checkpoint begins)."""
     t0 = time.perf_counter()
-    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "6", "--ckpt-every", "2",
-              "--reference", str(jobs.folder / "ddp"), "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json"),
-              "--", "--max-norm", "0.5"], timeout=240)
+    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "16", "--ckpt-every", "2",
+              "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
     print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
     res = json.loads((tmp_path / "chaos.json").read_text())
     assert r.returncode == 0 and res["match"], r.stdout + r.stderr[-3000:]

@@ -144,7 +144,12 @@ def chaos(a) -> dict:
                 time.sleep(0.01)
             if job.poll() is not None or time.monotonic() >= deadline:
                 break  # the run ended before every kill was used: the table says so
-            time.sleep(rng.uniform(0.05, 0.5))
+            # Let it train a random number of steps (0 to two checkpoints' worth), then a moment more
+            step = STARTS.findall((out / "killed.log").read_text())[-1]
+            until = (int(step) + 1 if step else 0) + rng.randint(0, 2 * a.ckpt_every)
+            while logged_steps(run) < until and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.3))
             if during == "checkpoint":  # the next checkpoint being written (rank 0 makes its folder, then all ranks write)
                 while not writing_checkpoint(run) and job.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.001)
