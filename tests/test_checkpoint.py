@@ -678,9 +678,10 @@ def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
     """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments (one at least while
     a checkpoint is being written) under torchrun --max-restarts 3 --resume; the job still ends
     with the uninterrupted DDP run's losses and final weights and AdamW state, bit for bit.
-    The tool runs the reference itself (16 steps: kills stop once the last checkpoint begins)."""
+    The tool runs the reference itself (24 steps: room for 3 kills before the last
+    checkpoint begins, after which the tool kills no more)."""
     t0 = time.perf_counter()
-    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "16", "--ckpt-every", "2",
+    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "24", "--ckpt-every", "2",
               "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
     print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
     res = json.loads((tmp_path / "chaos.json").read_text())

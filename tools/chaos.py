@@ -9,11 +9,14 @@ First the job runs once untouched (the reference; or give one with ``--reference
 the --out of a run with the same flags). Then it runs again under
 ``torchrun --max-restarts K ... --resume``, and this tool SIGKILLs a randomly chosen rank
 (a worker process of torchrun, found in /proc: a child of torchrun whose environment says
-its RANK) at random moments: in the middle of a step, or while a checkpoint is being
-written (a ``step_..._partial`` folder exists). torchrun stops the other ranks and starts
-them all again; ``--resume`` continues from the newest complete checkpoint. At the end the
-losses of every step and the final checkpoint's weights must equal the reference's, bit
-for bit (fp32 on CPU), and a table says what happened:
+its RANK) at random moments: each attempt trains a random number of steps (up to one
+checkpoint interval), then the kill comes at once or at the next checkpoint write (a
+``step_..._partial`` folder exists). No kill once the last checkpoint has begun: a restart
+from the final step refuses to train ("nothing is left to train") and the job would fail.
+torchrun stops the other ranks and starts them all again; ``--resume`` continues from the
+newest complete checkpoint. At the end the losses of every step and the final checkpoint's
+weights must equal the reference's, bit for bit (fp32 on CPU), and a table says what
+happened:
 
     kill  after  rank  during      resumed at  steps re-run
     ...
@@ -144,12 +147,12 @@ def chaos(a) -> dict:
                 time.sleep(0.01)
             if job.poll() is not None or time.monotonic() >= deadline:
                 break  # the run ended before every kill was used: the table says so
-            # Let it train a random number of steps (0 to two checkpoints' worth), then a moment more
+            # Let it train a random number of steps (up to a checkpoint's worth), then a moment more
             step = STARTS.findall((out / "killed.log").read_text())[-1]
-            until = (int(step) + 1 if step else 0) + rng.randint(0, 2 * a.ckpt_every)
+            until = (int(step) + 1 if step else 0) + rng.randint(0, a.ckpt_every)
             while logged_steps(run) < until and job.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(rng.uniform(0.0, 0.05))
             if during == "checkpoint":  # the next checkpoint being written (rank 0 makes its folder, then all ranks write)
                 while not writing_checkpoint(run) and job.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.001)
