@@ -432,6 +432,9 @@ class Checkpointer:
         path = found[-1]
         meta = read_meta(path)
         self._check_compatible(path, meta)
+        if self.ctx.is_main:  # writes a crash cut short: never loaded, and in the way of nobody
+            for left in self.folder.glob(f"step_*{PARTIAL}"):
+                shutil.rmtree(left, ignore_errors=True)
         if meta["step"] + 1 >= self.args.steps:
             raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
                             f"or past it: nothing is left to train; raise --steps to continue.")

@@ -9,8 +9,8 @@ First the job runs once untouched (the reference; or give one with ``--reference
 the --out of a run with the same flags). Then it runs again under
 ``torchrun --max-restarts K ... --resume``, and this tool SIGKILLs a randomly chosen rank
 (a worker process of torchrun, found in /proc: a child of torchrun whose environment says
-its RANK) at random moments: each attempt trains a random number of steps (up to one
-checkpoint interval), then the kill comes at once or at the next checkpoint write (a
+its RANK) at random moments: each attempt trains a random number of steps (1 to two
+checkpoint intervals), then the kill comes at once or at the next checkpoint write (a
 ``step_..._partial`` folder exists). No kill once the last checkpoint has begun: a restart
 from the final step refuses to train ("nothing is left to train") and the job would fail.
 torchrun stops the other ranks and starts them all again; ``--resume`` continues from the
@@ -110,8 +110,16 @@ def logged_steps(out: Path) -> int:
 STARTS = re.compile(r"resumed from \S+ \(step (\d+),|--resume: no complete checkpoint")
 
 
-def writing_checkpoint(out: Path) -> bool:
-    return any(p.name.endswith("_partial") for p in (out / "checkpoints").glob("step_*"))
+def writing_checkpoint(out: Path, since: float) -> bool:
+    """Whether a checkpoint is being written: a ``_partial`` folder made or written to since
+    ``since`` (one left by a write that an earlier kill cut short is older)."""
+    for p in (out / "checkpoints").glob("step_*_partial"):
+        try:
+            if p.stat().st_mtime >= since:
+                return True
+        except OSError:
+            continue  # renamed meanwhile
+    return False
 
 
 def chaos(a) -> dict:
@@ -143,25 +151,26 @@ def chaos(a) -> dict:
                 live = workers(job.pid)
                 if (len(live) == a.nproc and not gone & set(live.values())
                         and len(STARTS.findall((out / "killed.log").read_text())) > i):
+                    began = time.time() - 1.0  # (file times have coarse clocks on some file systems)
                     break
                 time.sleep(0.01)
             if job.poll() is not None or time.monotonic() >= deadline:
                 break  # the run ended before every kill was used: the table says so
-            # Let it train a random number of steps (up to a checkpoint's worth), then a moment more
+            # Let it train a random number of steps (1 to two checkpoints' worth), then a moment more
             step = STARTS.findall((out / "killed.log").read_text())[-1]
-            until = (int(step) + 1 if step else 0) + rng.randint(0, a.ckpt_every)
+            until = (int(step) + 1 if step else 0) + rng.randint(1, 2 * a.ckpt_every)
             while logged_steps(run) < until and job.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.05))
             if during == "checkpoint":  # the next checkpoint being written (rank 0 makes its folder, then all ranks write)
-                while not writing_checkpoint(run) and job.poll() is None and time.monotonic() < deadline:
+                while not writing_checkpoint(run, began) and job.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.001)
             live = workers(job.pid)
             if rank not in live or logged_steps(run) >= a.steps - 1 - a.ckpt_every:
                 # Not after the last checkpoint has begun: a restart from the final step has nothing
                 # left to train and refuses to start ("...nothing is left to train"), failing the job.
                 break
-            mid_write = writing_checkpoint(run)
+            mid_write = writing_checkpoint(run, began)
             at = logged_steps(run)
             os.kill(live[rank], signal.SIGKILL)
             gone |= set(live.values())

@@ -575,7 +575,7 @@ POST_STEPS = [("01", chapter1_table), ("02", chapter2), ("03", write_chapter3a_t
 POST_STEPS.append(("03_ep", write_ep_figures))
 
 # The soak of step4_multi_node/README.md (--only chaos): FSDP on 2 CPU ranks, 6 random kills.
-CHAOS = ["--script", "step3_multi_gpu/train_fsdp.py", "--kills", "6", "--steps", "60", "--ckpt-every", "3",
+CHAOS = ["--script", "step3_multi_gpu/train_fsdp.py", "--kills", "6", "--steps", "60", "--ckpt-every", "5",
          "--seed", "7", "--timeout", "1500"]
 
 
