@@ -21,8 +21,21 @@ was checked by hand the same way). The saved ``parallel`` layout is therefore no
 reason to refuse; the model shape, batch, sequence length, seed, data and gradient
 accumulation are.
 
+``--ckpt-async``: ``dcp.async_save`` copies the state to host memory (the step waits for
+that), then a thread writes it, on a gloo group of its own; rank 0 declares the checkpoint
+(meta.json, the rename) only once the write has ended everywhere. One write at a time.
+
+Preemption: a SIGTERM or SIGUSR1 (a cluster taking the nodes back; torchrun forwards both
+to every rank when told to) is only noted by the rank that gets it. At the end of every
+step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and copies
+the result to the host without waiting; the next step reads it. So the ranks decide
+together, at the same step, even when the signal reached one rank alone, and no step waits
+for the vote. Then every rank saves that step and the run exits with EXIT_PREEMPTED (75)
+and "preempted at step N ...; resume with --resume".
+
 Also here, because they belong to the same "the run must survive" step: the non-finite
-loss check and the fault injection (``--fail-at-step``) used to test elastic restarts.
+loss check and the fault injection (``--fail-at-step``, ``--fail-how``) used to test
+elastic restarts and preemption.
 
 ``python -m common.checkpoint export <checkpoint folder> <file.pt>`` turns a checkpoint
 into one plain ``torch.save`` file of full tensors for inference.
@@ -36,7 +49,11 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -51,9 +68,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.errors import UserError
+from common.errors import Preempted, UserError
+from common.measure.syncs import HostCopy
 
 PARTIAL = "_partial"
+# What a cluster sends before it takes the nodes back: Slurm's SIGTERM at the time limit or
+# on preemption, and the early warning asked for with #SBATCH --signal=B:USR1@120.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FAIL_HOW = ("exit", "sigterm", "sigusr1", "sigterm-torchrun")
 
 
 def add_flags(p: argparse.ArgumentParser):
@@ -61,6 +83,9 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--ckpt-every", type=int, default=0,
                    help="save a checkpoint every N steps into <out>/checkpoints (default: 0, never)")
     g.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest K complete checkpoints (default: 2)")
+    g.add_argument("--ckpt-async", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint.async_save): the step waits "
+                        "only for the copy of the state to host memory; one write at a time")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in <out>/checkpoints, if there is one")
     g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
@@ -68,6 +93,10 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--fail-at-step", type=int, default=None,
                    help="testing: crash at this step, on the first attempt only (see --max-restarts)")
     g.add_argument("--fail-rank", type=int, default=0, help="testing: the rank --fail-at-step crashes (default: 0)")
+    g.add_argument("--fail-how", choices=FAIL_HOW, default="exit",
+                   help="testing: what --fail-at-step does to --fail-rank: exit (a hard crash, default), sigterm or "
+                        "sigusr1 (that rank alone gets the signal, while its checkpoint of the step is written), "
+                        "sigterm-torchrun (it sends SIGTERM to torchrun, which forwards it to every rank)")
     g.add_argument("--pg-timeout", type=float, default=600.0,
                    help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
 
@@ -80,6 +109,9 @@ def check_flags(args):
         raise UserError(f"--ckpt-every cannot be negative (got {args.ckpt_every}); 0 turns checkpoints off.")
     if not args.pg_timeout > 0:
         raise UserError(f"--pg-timeout must be positive seconds (got {args.pg_timeout}).")
+    if getattr(args, "ckpt_async", False) and not args.ckpt_every:
+        raise UserError("--ckpt-async says how checkpoints are written, and --ckpt-every is 0 (none are); give "
+                        "--ckpt-every N too.")
     if args.ckpt_keep < 1:
         raise UserError(f"--ckpt-keep must be at least 1 (got {args.ckpt_keep}).")
     if not math.isfinite(args.pg_timeout):
@@ -93,6 +125,11 @@ def check_flags(args):
         raise UserError(f"--fail-at-step {args.fail_at_step} is not a step of this run (0 to {args.steps - 1}).")
     if args.fail_rank < 0:
         raise UserError(f"--fail-rank cannot be negative (got {args.fail_rank}).")
+    if args.fail_how != "exit" and args.fail_at_step is None:
+        raise UserError(f"--fail-how {args.fail_how} says what happens at --fail-at-step; give that step too.")
+    if args.fail_how == "sigterm-torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise UserError("--fail-how sigterm-torchrun signals the torchrun that started this run, and there is none; "
+                        "launch with torchrun, or use --fail-how sigterm.")
     # torchrun says the world size before any group exists: refuse here, on every rank alike.
     # (Refused later, after DDP's first collectives, the ranks' gloo teardown could hang.)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,6 +210,84 @@ class Checkpointer:
         if args.fail_at_step is not None and args.fail_rank >= ctx.world_size:
             raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
                             f"{ctx.world_size - 1}.")
+        self.signalled: str | None = None  # the stop signal this rank received, if any
+        self._vote = None  # the HostCopy of the last step's vote, read one step late
+        self._flag = None  # the vote's device tensor, reused: filling it queues no host wait
+        self._handlers, self._closed = {}, False
+        # --ckpt-async: the write in flight (thread, step, folder), its error, its host copy's bytes
+        self._writing, self._write_error, self.staging_bytes, self.write_seconds = None, None, 0, []
+        self._write_group = None
+        if getattr(args, "ckpt_async", False) and dist.is_initialized() and not getattr(ctx, "fake", False):
+            # every rank, at once (a collective); on GPUs it is also the CPU backend async_save requires
+            self._write_group = dist.new_group(backend="gloo")
+        self._progress, self._longest = time.monotonic(), 0.0  # step ends and saves, for _give_up_if_stuck
+
+    # ---- preemption ---------------------------------------------------------------------
+    def listen(self):
+        """From now until ``close``, SIGTERM and SIGUSR1 ask every rank to save and stop."""
+        if not getattr(self.ctx, "fake", False) and threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        # Only a note: the step goes on, and nothing is printed here (a print inside a print
+        # that the signal interrupted raises "reentrant call").
+        first, self.signalled = self.signalled is None, signal.Signals(signum).name
+        if first:
+            threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True).start()
+
+    def _mark_progress(self):
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._progress)
+        self._progress = now
+
+    def _give_up_if_stuck(self, signum: int):
+        """torchrun sends the same SIGTERM when it stops the job because another rank died:
+        then the step in flight waits for a rank that is gone (NCCL waits until --pg-timeout)
+        and would hold up the restart until torchrun's SIGKILL. A rank that reaches no step
+        end (nor a checkpoint's start or end) in 3 times the longest step or save seen so far,
+        and at least 10 s, after the signal stops at once."""
+        while not self._closed:
+            time.sleep(0.2)
+            idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
+            if idle > patience and not self._closed:
+                print(f"[rank {self.ctx.rank}] {self.signalled}: no step ended in {idle:.0f} s since the signal "
+                      f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+
+    def close(self):
+        """Give the signals back to whoever had them (a harness running several runs)."""
+        for sig, old in self._handlers.items():
+            signal.signal(sig, old)
+        self._handlers, self._closed = {}, True  # (and the watch on a stuck step ends)
+
+    def _cast_vote(self):
+        """This rank's "stop?" into one all-reduce (MAX), read by the next step's
+        ``stop_agreed``. On a GPU the reduction and the copy to the host are queued behind
+        the step's work and nothing waits for them now."""
+        if self._flag is None:
+            self._flag = torch.zeros(1, device=self.ctx.device)
+        self._flag.fill_(1.0 if self.signalled else 0.0)
+        if self.ctx.has_peers:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        self._vote = HostCopy({"stop": self._flag}, self.ctx.device)
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal by the end of the previous step. The same
+        answer on every rank, from the same reduction: they all stop after this step."""
+        if self._vote is None:
+            return False
+        stop, self._vote = self._vote.values()["stop"][0] > 0, None
+        return stop
+
+    def _send_fault_signal(self):
+        """--fail-how sigterm/sigusr1/sigterm-torchrun: what a cluster does, on cue."""
+        how = self.args.fail_how
+        sig = signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM
+        target = os.getppid() if how == "sigterm-torchrun" else os.getpid()  # torchrun started this worker
+        print(f"[rank {self.ctx.rank}] --fail-at-step {self.args.fail_at_step}: sending {sig.name} to "
+              f"{'torchrun' if target != os.getpid() else 'this rank alone'}", flush=True)
+        os.kill(target, sig)
 
     # ---- state --------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -202,7 +317,12 @@ class Checkpointer:
                 "data_position": self.batches.state_dict() if self.batches else None}
 
     # ---- save ---------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
+    def save(self, step: int, blocking: bool = False) -> Path:
+        """Write the checkpoint of ``step``. With --ckpt-async (and not ``blocking``), this
+        returns once the state is copied to host memory; a thread writes the files, and
+        rank 0 declares the checkpoint (meta.json, the rename) once every rank's files are
+        written. One save at a time: the next one (and the run's end) waits for this one."""
+        self.wait()
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
         error = None
@@ -213,29 +333,71 @@ class Checkpointer:
             except OSError as e:
                 error = e
         self._all_ok(error, partial, step)
+        background = self.args.ckpt_async and not blocking
         try:
-            dcp.save(self._state(), checkpoint_id=str(partial))
             torch.save({"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
                        partial / f"rng_rank{self.ctx.rank}.pt")
+            state = self._state()
+            if background:
+                self.staging_bytes = _local_bytes(state)  # what the stager copies to host memory
+                # async_save copies every tensor to host memory now (the training waits for
+                # that), then writes from the copy in a thread, on a gloo group of its own: a
+                # thread's collectives must never interleave with the training's on one group.
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._write_group)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a folder gone read-only
             # (DCP's CheckpointException derives from BaseException, not Exception)
             error = e
-        self._all_ok(error, partial, step)  # every rank's files are on disk before the checkpoint is declared
-        if self.ctx.is_main:
-            try:
-                (partial / "meta.json").write_text(json.dumps(self._meta(step), indent=1))
-                if final.exists():  # the same step again (a resumed run): replace it whole
-                    shutil.rmtree(final)
-                os.replace(partial, final)  # atomic: complete or absent, never half
-            except OSError as e:
-                error = e
+        self._all_ok(error, partial, step)  # staged (async) or written (sync) on every rank
+        meta = self._meta(step)  # now: the LR schedule and data position move on while a write runs
+        if background:
+            self._writing = (threading.Thread(target=self._finish_write, args=(future, meta, partial, final),
+                                              name="checkpoint-write"), step, partial)
+            self._writing[0].start()
+            return final
+        error = self._declare(meta, partial, final) if self.ctx.is_main else None
         self._all_ok(error, partial, step)
-        if self.ctx.is_main:
-            for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
-                shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
+
+    def _declare(self, meta: dict, partial: Path, final: Path) -> OSError | None:
+        """Rank 0, once every rank's files are on disk: meta.json, the atomic rename, then the
+        oldest checkpoints go. Returns the error, if any."""
+        try:
+            (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+            if final.exists():  # the same step again (a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(partial, final)  # atomic: complete or absent, never half
+        except OSError as e:
+            return e
+        for old in complete_checkpoints(self.folder)[:-self.args.ckpt_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return None
+
+    def _finish_write(self, future, meta: dict, partial: Path, final: Path):
+        """The write's thread: wait for DCP's write; on rank 0, declare the checkpoint. DCP's
+        write ends on rank 0 after it has gathered every rank's result (and written
+        .metadata), so every rank's files are there by then."""
+        t0 = time.perf_counter()
+        try:
+            future.result()
+            self.write_seconds.append(time.perf_counter() - t0)
+            if self.ctx.is_main:
+                self._write_error = self._declare(meta, partial, final)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - said by wait(), on every rank
+            self._write_error = e
+
+    def wait(self):
+        """Wait for the checkpoint being written in the background, if any; every rank then
+        agrees it is complete (or stops with one sentence if a rank's write failed)."""
+        if self._writing is None:
+            return
+        thread, step, partial = self._writing
+        thread.join()
+        error, self._writing, self._write_error = self._write_error, None, None
+        self._all_ok(error, partial, step)
 
     def _all_ok(self, error: BaseException | None, partial: Path, step: int):
         """A barrier that also agrees on failure: a rank that could not write must not leave
@@ -270,6 +432,9 @@ class Checkpointer:
         path = found[-1]
         meta = read_meta(path)
         self._check_compatible(path, meta)
+        if self.ctx.is_main:  # writes a crash cut short: never loaded, and in the way of nobody
+            for left in self.folder.glob(f"step_*{PARTIAL}"):
+                shutil.rmtree(left, ignore_errors=True)
         if meta["step"] + 1 >= self.args.steps:
             raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
                             f"or past it: nothing is left to train; raise --steps to continue.")
@@ -332,16 +497,40 @@ class Checkpointer:
             raise UserError(f"the gradient norm is {grad_norm} at step {step} (rank {self.ctx.rank}); lower --lr, "
                             f"or pass --on-nan skip to skip such steps.")
 
-    def end_step(self, step: int):
-        """After an optimizer step (and its ``check_finite``): save, inject a test fault."""
+    def end_step(self, step: int, stop: bool = False):
+        """After an optimizer step (and its ``check_finite``): save, inject a test fault,
+        vote on stopping. ``stop`` (from ``stop_agreed``): save this step and leave."""
         if getattr(self.ctx, "fake", False):
             return
-        if self.saves_at(step):
-            self.save(step)
-        if (self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank):
+        self._mark_progress()
+        fault = self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank
+        if fault and self.args.fail_how != "exit":
+            self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
+        last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
+        if self.saves_at(step) or (stop and not last):
+            path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
+            self._mark_progress()
+            if stop and not last:
+                self.close()
+                raise Preempted(f"preempted at step {step}: every rank saved {path}; resume with --resume "
+                                f"(the same command line with --resume continues from step {step + 1}).")
+        if fault and self.args.fail_how == "exit":
             # A hard crash, as a dying node gives: no cleanup, no exception handling.
             print(f"[rank {self.ctx.rank}] --fail-at-step {step}: crashing on purpose", flush=True)
             os._exit(17)
+        if not last:
+            self._cast_vote()
+
+
+def _local_bytes(state) -> int:
+    """Bytes of the tensors this rank holds in a state dict (its shards of DTensors)."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_local_bytes(v) for v in state)
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
 
 
 def _union(modules) -> torch.nn.Module:

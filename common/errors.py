@@ -12,6 +12,13 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+# sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to retry": a run that
+# was asked to stop (a cluster's SIGTERM or SIGUSR1), saved a checkpoint and left.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    """Every rank stopped at one step after a signal and saved it; the message says where."""
 
 
 def main_guard(fn):
@@ -30,6 +37,10 @@ def main_guard(fn):
             prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
             print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except Preempted as e:
+            if os.environ.get("RANK", "0") == "0":  # the same sentence on every rank: said once
+                print(str(e), file=sys.stderr, flush=True)
+            sys.exit(EXIT_PREEMPTED)
         except KeyboardInterrupt:
             sys.exit(130)
         except Exception as e:  # noqa: BLE001 - shown whole, then named in one line

@@ -10,7 +10,8 @@
     run.finish()                      # validation loss, figure, summary.json, predicted vs measured, bytes
 
 What it drives, each living in its own module:
-- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--on-nan``;
+- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--ckpt-async``, ``--on-nan``,
+  and preemption (SIGTERM/SIGUSR1: every rank saves one agreed step, then exits 75);
 - ``MemoryTracer`` (common/measure/memory.py): the categorised timeline of a few steps;
 - ``CommCounter`` (common/measure/comm.py): bytes by collective, per optimizer step;
 - ``Metrics`` (common/measure/metrics.py): step time, tokens/s, MFU, the files in --out;
@@ -69,6 +70,7 @@ class Run:
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        self.ckpt.listen()  # SIGTERM/SIGUSR1 (a cluster taking the nodes back): save one agreed step, stop
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)
         if fsdp:
@@ -137,11 +139,16 @@ class Run:
                                 or (self.profile.enabled and step in self.profile.steps),
                                 now=self.ckpt.saves_at(step),
                                 evaluate=self._validate if self.evaluates(step) else None, **extra)
+        # A SIGTERM/SIGUSR1 seen by any rank up to the previous step (read after Metrics' copy
+        # of this step is queued, so that reading the vote waits for the previous step only)
+        stop = self.ckpt.stop_agreed()
+        if stop:
+            rows += self.metrics.flush()  # this step's row too: it is the one being saved
         if self.scheduler is not None:
             self.scheduler.step()
         for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
             self.ckpt.check_finite(row["step"], row["loss"], row.get("grad_norm"))
-        self.ckpt.end_step(step)  # --ckpt-every, --fail-at-step
+        self.ckpt.end_step(step, stop)  # --ckpt-every, preemption, --fail-at-step
 
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""
@@ -156,6 +163,10 @@ class Run:
         """Measure the validation loss, draw the memory figure, write summary.json, print
         prediction and bytes (rank 0); with --save-weights, gather the weights into OUT/weights.pt."""
         a, ctx = self.args, self.ctx
+        self.ckpt.wait()  # --ckpt-async: the last checkpoint is written and declared before the run ends
+        if self.ckpt.staging_bytes:
+            # host memory, per rank (rank 0's), and how long each background write took
+            extra |= {"ckpt_staging_bytes": self.ckpt.staging_bytes, "ckpt_write_s": self.ckpt.write_seconds}
         # The last step's held-out loss where --eval-every measured it already, else measured now
         last = self.metrics.last_val
         val_loss = last[1] if last and last[0] == a.steps - 1 else self._validate()
@@ -182,6 +193,7 @@ class Run:
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
+        self.ckpt.close()
         unlock_out(self.lock)
         if not math.isfinite(self.metrics.last_loss) and not ctx.fake:
             # --on-nan skip keeps a run going past bad steps; one that ends non-finite has

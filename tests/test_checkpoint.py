@@ -33,6 +33,7 @@ from common.distributed import distributed
 from common.errors import UserError
 from common.model import Transformer, get_config
 from conftest import ROOT
+from drivers import dp as _dp
 
 
 # ==== step 1 ===================================================================================
@@ -153,7 +154,7 @@ TWO_NODES = {
     "fsdp4": {"script": "fsdp", "flags": B3 + C},
     "zero1_4": {"script": "ddp", "flags": B3 + C + ["--zero1"]},
 }
-# Job 2, 2 ranks under torchrun --max-restarts 3: three runs crash once each.
+# Job 2, 2 ranks under torchrun --max-restarts 4: four runs crash once each.
 R = B3 + C + ["--resume"]
 ELASTIC = {
     "ddp": {"script": "ddp", "flags": B3 + C},
@@ -176,6 +177,19 @@ ELASTIC = {
     # NaN: stop with the step and rank, or skip the update
     "nan_stop": {"script": "ddp", "flags": B3 + ["--lr", "1e6"]},
     "nan_skip": {"script": "ddp", "flags": B3 + ["--steps", "3", "--lr", "1e6", "--on-nan", "skip"]},
+    # preemption: a signal to one rank alone stops both at one step, which both save
+    "ddp_sigterm_rank1": {"script": "ddp", "flags": R + ["--fail-at-step", "2", "--fail-rank", "1",
+                                                         "--fail-how", "sigterm"]},
+    "ddp_sigterm_resumed": {"script": "ddp", "flags": R, "from": ["ddp_sigterm_rank1", "latest"]},
+    # ... one that arrives while step 3's checkpoint is being written
+    "fsdp_sigusr1_in_save": {"script": "fsdp", "flags": R + ["--fail-at-step", "3", "--fail-how", "sigusr1"]},
+    "fsdp_sigusr1_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_sigusr1_in_save", "latest"]},
+    # ... and SIGTERM to torchrun itself (PREEMPT_TORCHRUN, a job of its own, before this one)
+    "fsdp_torchrun_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_torchrun", "latest"]},
+    # --ckpt-async: written in the background, resumed exactly (by --resume, and after a crash)
+    "ddp_async": {"script": "ddp", "flags": B3 + C + ["--ckpt-async"]},
+    "ddp_async_resumed": {"script": "ddp", "flags": R + ["--ckpt-async"], "from": ["ddp_async", 3]},
+    "fsdp_async_fault": {"script": "fsdp", "flags": R + ["--ckpt-async", "--fail-at-step", "4", "--fail-rank", "1"]},
     # misuse: each one sentence, exit 2, the checkpoint left as it was
     "bad_accum": {"script": "ddp", "flags": R + ["--grad-accum-steps", "2"], "from": ["ddp", 3]},
     "bad_preset": {"script": "fsdp", "flags": R + ["--n-layers", "1"], "from": ["fsdp4", 3]},
@@ -195,6 +209,13 @@ ERRORS = {
 }
 
 
+PREEMPTED = ("ddp_sigterm_rank1", "fsdp_sigusr1_in_save")  # exit 75, with a checkpoint
+# The real script under torchrun: rank 1 sends SIGTERM to torchrun at step 2, and torchrun
+# forwards it to both ranks (while the job of the two nodes runs: its own processes).
+PREEMPT_TORCHRUN = ["step3_multi_gpu/train_fsdp.py", *_dp.COMMON, *R, "--fail-at-step", "2", "--fail-rank", "1",
+                    "--fail-how", "sigterm-torchrun"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,25 +231,30 @@ def jobs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume")
     env = dict(os.environ, PORT=str(_free_port()), NPROC="2",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this python's torchrun
+    preempt = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                "2", *PREEMPT_TORCHRUN, "--out", str(folder / "fsdp_torchrun")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     r = subprocess.run(["bash", "step4_multi_node/two_nodes_on_one_machine.sh", "tests/drivers/resume.py",
                         str(folder), json.dumps(TWO_NODES)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     two_nodes = _results(folder, TWO_NODES)
+    out, err = preempt.communicate(timeout=150)
+    preempted = SimpleNamespace(returncode=preempt.returncode, stdout=out, stderr=err)
 
     data = folder / "non_utf8.txt"
     data.write_bytes(bytes(range(256)) * 64 + "caf\u00e9 na\u00efve".encode("latin-1") * 500)
     plan = json.loads(json.dumps(ELASTIC).replace("NON_UTF8", str(data)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "3", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+                        "--max-restarts", "4", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("crashing on purpose") == 3, r.stdout[-3000:]
+    assert r.stdout.count("crashing on purpose") == 4, r.stdout[-3000:]
     elastic = _results(folder, ELASTIC)
     for name, res in {**two_nodes, **elastic}.items():
-        expected = 2 if name in ERRORS else 0
+        expected = 2 if name in ERRORS else 75 if name in PREEMPTED else 0
         assert res["code"] == expected, f"{name}: {res['stderr']}"
-    return SimpleNamespace(folder=folder, two_nodes=two_nodes, elastic=elastic)
+    return SimpleNamespace(folder=folder, two_nodes=two_nodes, elastic=elastic, preempted=preempted)
 
 
 def _close(a: dict, b: dict, steps, rtol: float):
@@ -263,6 +289,74 @@ def test_killed_and_restarted_runs_continue_exactly(jobs):
         assert e[faulty]["restarted"] and e[faulty]["job_attempt"] >= 1  # it really died
         assert e[faulty]["losses"] == e[plain]["losses"]  # all six steps, no gap, no repeat
         assert e[faulty]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
+
+
+def _weights(checkpoint: Path, tmp: Path) -> dict:
+    dest = tmp / f"{checkpoint.parent.parent.name}_{checkpoint.name}.pt"
+    if not dest.exists():
+        export(str(checkpoint), str(dest))
+    return torch.load(dest, weights_only=False)["model"]
+
+
+def test_preempted_runs_stop_together_save_and_resume_exactly(jobs, tmp_path):
+    """A SIGTERM to torchrun (which forwards it to both ranks), a SIGTERM to rank 1 alone, a
+    SIGUSR1 while a checkpoint is being written: both ranks finish the step after the one
+    where the signal came, save it, exit 75 with one sentence; --resume then gives the
+    uninterrupted run's losses and final weights, bit for bit (fp32)."""
+    e, t = jobs.elastic, jobs.preempted
+    assert t.returncode != 0 and "sending SIGTERM to torchrun" in t.stdout, t.stderr[-3000:]
+    assert "Sending process" in t.stderr and "closing signal SIGTERM" in t.stderr  # torchrun forwarded it
+    stopped = {"fsdp_torchrun": int(complete_checkpoints(jobs.folder / "fsdp_torchrun" / "checkpoints")[-1]
+                                    .name.split("_")[1]),
+               "ddp_sigterm_rank1": 3,  # the signal at step 2 is in step 2's vote, read at step 3
+               "fsdp_sigusr1_in_save": 4}  # sent at step 3, before its checkpoint is written
+    assert stopped["fsdp_torchrun"] in (3, 4)  # torchrun's forwarding takes its time: step 2's vote or 3's
+    assert f"preempted at step {stopped['fsdp_torchrun']}: every rank saved" in t.stderr
+    metrics = [json.loads(line) for line in (jobs.folder / "fsdp_torchrun" / "metrics.jsonl").read_text().splitlines()]
+    torchrun_run = {"losses": {str(r["step"]): r["loss"] for r in metrics},
+                    "checkpoints": sorted(p.name for p in (jobs.folder / "fsdp_torchrun" / "checkpoints").iterdir())}
+    for name, ref in (("fsdp_torchrun", "fsdp"), ("ddp_sigterm_rank1", "ddp"), ("fsdp_sigusr1_in_save", "fsdp")):
+        run, n = torchrun_run if name == "fsdp_torchrun" else e[name], stopped[name]
+        if name != "fsdp_torchrun":
+            assert f"preempted at step {n}: every rank saved" in run["stderr"] and "resume with --resume" in \
+                run["stderr"], run["stderr"]
+        # every step up to the agreed one, once, the same; that step saved whole, and nothing partial
+        assert run["losses"] == {s: e[ref]["losses"][s] for s in map(str, range(n + 1))}, name
+        assert run["checkpoints"][-1] == f"step_{n:08d}" and not any(c.endswith("_partial") for c in run["checkpoints"])
+        resumed = e[name.replace("_rank1", "").replace("_in_save", "") + "_resumed"]
+        assert resumed["losses"] == {s: e[ref]["losses"][s] for s in map(str, range(n + 1, 6))}, name
+        final = _weights(jobs.folder / (name.replace("_rank1", "").replace("_in_save", "") + "_resumed")
+                         / "checkpoints" / "step_00000005", tmp_path)
+        expected = _weights(jobs.folder / ref / "checkpoints" / "step_00000005", tmp_path)
+        assert all(torch.equal(final[k], v) for k, v in expected.items()), name
+    # the checkpoint of step 3, written while the signal arrived, is complete and kept
+    assert e["fsdp_sigusr1_in_save"]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_async_checkpoints_resume_exactly_and_stage_the_predicted_bytes(jobs, tmp_path):
+    """--ckpt-async: the same checkpoints (declared only once written), a --resume from one and
+    a restart after rank 1 crashed give the losses and final weights of the synchronous run,
+    bit for bit; the host copy is this rank's state, as common/measure/theory.py says."""
+    from common.measure.theory import ckpt_staging_bytes
+    e = jobs.elastic
+    assert e["ddp_async"]["losses"] == e["ddp"]["losses"]
+    assert e["ddp_async"]["checkpoints"] == e["ddp"]["checkpoints"] == ["step_00000001", "step_00000003",
+                                                                         "step_00000005"]
+    assert list(e["ddp_async_resumed"]["losses"]) == ["4", "5"]
+    assert e["ddp_async_resumed"]["losses"] == {s: e["ddp"]["losses"][s] for s in ("4", "5")}
+    fault = e["fsdp_async_fault"]
+    assert fault["restarted"] and fault["losses"] == e["fsdp"]["losses"]
+    assert fault["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
+    for run, ref in (("ddp_async", "ddp"), ("ddp_async_resumed", "ddp"), ("fsdp_async_fault", "fsdp")):
+        final = _weights(jobs.folder / run / "checkpoints" / "step_00000005", tmp_path)
+        expected = _weights(jobs.folder / ref / "checkpoints" / "step_00000005", tmp_path)
+        assert all(torch.equal(final[k], v) for k, v in expected.items()), run
+    cfg = get_config("debug")
+    for run, strategy in (("ddp_async", "ddp"), ("fsdp_async_fault", "fsdp")):
+        summary = json.loads((jobs.folder / run / "summary.json").read_text())
+        assert summary["ckpt_staging_bytes"] == ckpt_staging_bytes(strategy, cfg, world=2, rank=0), run
+    n = sum(p.numel() for p in Transformer(cfg).parameters())
+    assert ckpt_staging_bytes("ddp", cfg, 2) == 12 * n + 4 * len(list(Transformer(cfg).parameters()))
 
 
 def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
@@ -593,3 +687,21 @@ def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
     assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
     for s in ("2", "3"):
         assert resumed["losses"][s] == pytest.approx(src["losses"][s], rel=1e-5), s
+
+
+# ==== random kills ==============================================================================
+def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
+    """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments (one at least while
+    a checkpoint is being written) under torchrun --max-restarts 3 --resume; the job still ends
+    with the uninterrupted DDP run's losses and final weights and AdamW state, bit for bit.
+    The tool runs the reference itself (24 steps: room for 3 kills before the last
+    checkpoint begins, after which the tool kills no more)."""
+    t0 = time.perf_counter()
+    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "24", "--ckpt-every", "2",
+              "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
+    print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
+    res = json.loads((tmp_path / "chaos.json").read_text())
+    assert r.returncode == 0 and res["match"], r.stdout + r.stderr[-3000:]
+    assert len(res["kills"]) == 3 and res["restarts"] == 3, r.stdout
+    assert any(k["during"] == "checkpoint write" for k in res["kills"]), r.stdout
+    assert "3 kills, 3 restarts" in r.stdout and "result: same" in r.stdout

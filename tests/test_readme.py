@@ -168,6 +168,7 @@ def test_slurm_script_launches_what_torchrun_and_the_script_accept(capsys):
     usage = shlex.split(re.search(r"^#\s+(?:mkdir -p runs && )?sbatch step4_multi_node/train\.slurm (.*)$", text,
                                   re.M).group(1))
     srun = re.search(r"^srun .*?(?<!\\)$", text.replace("\\\n", " "), re.M | re.S).group(0)
+    srun = srun.removesuffix("&").rstrip()  # in the background, so that its USR1 trap can run
     filled = (srun.replace('"$SLURM_JOB_NUM_NODES"', sbatch["nodes"]).replace('"$SLURM_JOB_ID"', "4242")
               .replace('"$HEAD_NODE:29500"', "node-a:29500").replace('"$SCRIPT"', usage[0])
               .replace('"$@"', shlex.join(usage[1:])))
@@ -180,6 +181,10 @@ def test_slurm_script_launches_what_torchrun_and_the_script_accept(capsys):
     assert (ns.nnodes, ns.nproc_per_node) == (sbatch["nodes"], sbatch["gpus-per-node"])
     assert (ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id) == ("c10d", "node-a:29500", "4242")
     assert not ns.standalone and ns.max_restarts > 0 and "--resume" in argv
+    # preemption: a warning before the time limit, forwarded to the ranks; torchrun waits for
+    # their checkpoint longer than its default 30 s; the job is requeued and resumes
+    assert sbatch["signal"].startswith("B:USR1@") and "--requeue" in text and "scontrol requeue" in text
+    assert "SIGUSR1" in ns.signals_to_handle.split(",") and int(ns.shutdown_timeout) > 30
     assert parse_only(target, argv) == 0, capsys.readouterr().err[-300:]
 
 

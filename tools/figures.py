@@ -640,6 +640,24 @@ POST_STEPS = [("01", chapter1_table), ("01", chapter1_generation), ("02", chapte
 POST_STEPS.append(("03_ep", write_ep_figures))
 POST_STEPS.append(("05_resume", resume_generation))
 
+# The soak of step4_multi_node/README.md (--only chaos): FSDP on 2 CPU ranks, 6 random kills.
+CHAOS = ["--script", "step3_multi_gpu/train_fsdp.py", "--kills", "6", "--steps", "60", "--ckpt-every", "5",
+         "--seed", "7", "--timeout", "1500"]
+
+
+def chaos_soak(suffix: str = "") -> dict[str, str]:
+    """The faults page's block ``chaos-soak``: what ``python -m tools.chaos *CHAOS`` prints."""
+    if suffix:
+        return {}
+    r = subprocess.run([sys.executable, "-m", "tools.chaos", *CHAOS, "--out", str(run_dir("chaos_soak", suffix))],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise UserError(f"python -m tools.chaos failed: {(r.stdout + r.stderr).strip()[-500:]}")
+    return {"chaos-soak": f"```bash\npython -m tools.chaos {' '.join(CHAOS)}\n```\n\n{r.stdout.strip()}"}
+
+
+POST_STEPS.append(("chaos", chaos_soak))
+
 # The estimator's --dry-run beside its formula and its trace, for a layout no machine here could
 # hold whole: Llama 3.2 1B's shape (its 128256-token vocabulary, synthetic ids) as rank 0 of FSDP
 # over 8. Minutes on 2 cores (the rank runs the whole model's matmuls): a prefix of its own, so

@@ -114,8 +114,12 @@ class Metrics:
             if start > 0 and path.exists():
                 kept = [line for line in self._read_lines(path) if json.loads(line)["step"] < start]
                 self.rows = [json.loads(line) for line in kept]
-            self._jsonl = open(path, "w")
-            self._jsonl.writelines(line + "\n" for line in kept)
+            # The kept lines go to a new file that replaces the old one whole: a run killed right
+            # after its restart (before its first row) must not leave the log truncated.
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+            self._jsonl = open(path, "a")
             if self._tb_class is not None:
                 # The event files are rewritten like metrics.jsonl: an earlier run's into this
                 # --out go (TensorBoard would draw both), a resumed run writes the kept rows again.

@@ -208,6 +208,25 @@ def model_state(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shar
                   rank % s, adam_step_bytes)  # HSDP: ranks are (replicate, shard), shard index fastest
 
 
+def ckpt_staging_bytes(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shard: int | None = None) -> int:
+    """--ckpt-async: the host memory one rank's checkpoint copy takes while it is written.
+
+    DCP's stager copies every tensor of the rank's state dict: the fp32 weights it holds
+    (all of them under DDP and ZeRO-1, its unpadded shard under FSDP) and the AdamW state it
+    holds (moments and 4-byte step counts). Under DDP that is 12N + 4 bytes per parameter
+    tensor on *every* rank, although the files hold one copy (each replica writes a part).
+    On a GPU this is host memory beside the GPU's; on a CPU it is a second copy of the state
+    in the same memory, alive from one checkpoint step until its write ends."""
+    strategy = ALIASES.get(strategy, strategy)
+    kind = "fsdp" if strategy.startswith(("fsdp", "hsdp")) else strategy
+    s = shard or world
+    shapes = param_shapes(cfg)
+    state = model_state(strategy, cfg, world, rank, shard)
+    weights = 4 * (sum(shard_numel(sh, s, rank % s) for sh in shapes.values()) if kind == "fsdp"
+                   else sum(math.prod(sh) for sh in shapes.values()))
+    return weights + state["optimizer state"]
+
+
 def unsharded_bytes(cfg: ModelConfig, world: int = 1, bytes_per_param: int = 4) -> dict[str, int]:
     """Gathered size of each FSDP unit, 'root' and one 'block' (padded chunks x world)."""
     shapes = param_shapes(cfg)

@@ -2,7 +2,7 @@
 
     torchrun [--max-restarts N] --nproc-per-node W tests/drivers/resume.py DIR PLAN
 
-PLAN is JSON, {name: {"script": "step1"|"ddp"|"fsdp"|"tp"|"pp", "flags": [...], "from": [run, step],
+PLAN is JSON, {name: {"script": "step1"|"ddp"|"fsdp"|"tp"|"pp", "flags": [...], "from": [run, step or "latest"],
 "damage": "truncate"|"meta"}},
 run in order on one process group (tests/drivers/dp.py's ``run``: each script's real
 main(), which joins the driver's process group). Each run writes into DIR/<name>; "from" first copies that run's checkpoint
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp  # noqa: E402  (puts the repository on sys.path; runs a script's main() on our group)
+from common.checkpoint import complete_checkpoints  # noqa: E402
 from common.distributed import _restart_store, rank_device  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
@@ -89,6 +90,8 @@ def main(folder: str, plan: str):
             marker.touch()
             if "from" in run and not started:
                 src, step = run["from"]
+                if step == "latest":  # where a preempted run stopped
+                    step = int(complete_checkpoints(folder / src / "checkpoints")[-1].name.split("_")[1])
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.copytree(folder / src / "checkpoints" / f"step_{step:08d}",
                                 out / "checkpoints" / f"step_{step:08d}")
