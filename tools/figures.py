@@ -314,6 +314,17 @@ _RESUME_PROMPT = ["--prompt", "import ", "--max-new-tokens", "120", "--temperatu
                   "--seed", "0"]
 
 
+def bench_ckpt_block(suffix: str = "") -> dict[str, str]:
+    """step4_multi_node/README.md's block bench-ckpt: what python -m tools.bench_ckpt prints
+    (a checkpoint step's stall, synchronous vs --ckpt-async, on this machine)."""
+    argv = ["--device", "cuda" if suffix else "cpu", "--out", str(run_dir("05_bench_ckpt", suffix).relative_to(ROOT))]
+    p = subprocess.run([sys.executable, "-m", "tools.bench_ckpt", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    if p.returncode:
+        raise UserError(f"python -m tools.bench_ckpt failed: {p.stderr.strip()[-300:]}")
+    return {"bench-ckpt" + suffix: f"```bash\npython -m tools.bench_ckpt {' '.join(argv)}\n```\n\n```\n{p.stdout.strip()}\n```"}
+
+
 def resume_generation(suffix: str = "") -> dict[str, str]:
     """step4_multi_node/README.md's block resume-generate: the uninterrupted and the resumed
     run's models continue one prompt with one seed, and must write the same bytes."""
@@ -639,6 +650,7 @@ POST_STEPS = [("01", chapter1_table), ("01", chapter1_generation), ("02", chapte
               ("02_float8", float8_table), ("03_deepspeed", deepspeed_table)]
 POST_STEPS.append(("03_ep", write_ep_figures))
 POST_STEPS.append(("05_resume", resume_generation))
+POST_STEPS.append(("05_bench_ckpt", bench_ckpt_block))
 
 # The soak of step4_multi_node/README.md (--only chaos): FSDP on 2 CPU ranks, 6 random kills.
 CHAOS = ["--script", "step3_multi_gpu/train_fsdp.py", "--kills", "6", "--steps", "60", "--ckpt-every", "5",
