@@ -146,12 +146,19 @@ def check(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number of GiB (got {getattr(args, flag)}).")
     if args.vocab_size is not None and not 2 <= args.vocab_size <= 2**31 - 1:
         raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {args.vocab_size}).")
+    model_config(args)
+
+
+def model_config(args):
+    """The model of --model, --n-layers and --vocab-size, refused in one sentence when no such
+    model exists or --seq-len is longer than it supports (the estimator's and the planner's)."""
     try:
         cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
         raise UserError(str(e)) from None
     if args.seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports ({cfg.max_seq_len}).")
+    return cfg
 
 
 def check_layouts(ps) -> None:

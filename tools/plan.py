@@ -37,7 +37,7 @@ from common.errors import UserError, main_guard  # noqa: E402
 from common.measure.steptime import GPUS, TERMS, Machine, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
-from tools.estimate import HEADROOM_GIB, check_layouts, label, worst_rank  # noqa: E402
+from tools.estimate import HEADROOM_GIB, check_layouts, label, model_config, worst_rank  # noqa: E402
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,12 +100,7 @@ def check(args) -> None:
     if args.calibration and not Path(args.calibration).is_file():
         raise UserError(f"--calibration {args.calibration}: no such file; make it with python -m tools.plan "
                         f"--calibrate.")
-    try:
-        cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if args.seq_len > cfg.max_seq_len:
-        raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports ({cfg.max_seq_len}).")
+    cfg = model_config(args)
     if cfg.n_experts:
         raise UserError(f"--model {args.model} is a mixture of experts; the planner covers dense models (plan "
                         f"expert parallelism with python -m tools.estimate --strategy ep).")
