@@ -131,3 +131,81 @@ def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
     assert r.stderr.strip().splitlines() == ["error: no CUDA GPU is visible here (or this torch has no CUDA); run "
                                              "this on a GPU machine, or pass --cpu for the same runs at toy scale "
                                              "on the CPU"]
+
+
+# The GPU pass (tools/gpu_pass.py): what a developer with a lent GPU runs, in parts. No GPU
+# here, so what can be checked is that every command it would run parses with its own
+# tool's parser, that the parts cover every gpu_check run, and its budget and merge logic.
+class _Parsed(BaseException):  # not Exception: main_guard turns those into exit 1
+    pass
+
+
+def _parses(argv: list[str], monkeypatch) -> None:
+    """Hand ``argv`` (python's arguments) to its tool's argparse parser and stop right after."""
+    import argparse
+    import importlib
+    import runpy
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)  # an unknown flag or a bad value exits 2 here
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    if argv[0] == "-m":
+        main = importlib.import_module(argv[1]).main
+        with pytest.raises(_Parsed):
+            main(argv[2:])
+    else:
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(_Parsed):
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+
+
+def test_every_gpu_pass_command_parses_and_its_checks_cover_gpu_check(monkeypatch):
+    from tools import gpu_check, gpu_pass
+
+    for big in (False, True):
+        for part in gpu_pass.parts("h100", big):
+            for c in part.commands:
+                if c[1:3] == ["-m", "pytest"]:
+                    continue
+                _parses(c[1:], monkeypatch)
+    only = [c[c.index("--only") + 1] for p in gpu_pass.parts() for c in p.commands if "--only" in c]
+    covered = [c.name for c in gpu_check.CHECKS if c.name.startswith(tuple(",".join(only).split(",")))]
+    assert covered == [c.name for c in gpu_check.CHECKS]  # nothing of gpu_check is left out of the pass
+
+
+def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys):
+    from tools import gpu_pass
+
+    P = gpu_pass.Part
+    a, b, c = P("a", 4, [], ""), P("b", 4, [], ""), P("c", 1, [], "")
+    assert gpu_pass.fits([a, b, c], 9) == ([a, b, c], [])
+    assert gpu_pass.fits([a, b, c], 8.5) == ([a, b], [c])
+    assert gpu_pass.fits([a, b, c], 5) == ([a], [b, c])  # in order: c waits for b
+    assert gpu_pass.fits([P("big", 12, [], ""), c], 9) == ([P("big", 12, [], "")], [c])  # progress every call
+    names = [p.name for p in gpu_pass.parts()]
+    for i, parts in enumerate([names[:2], [names[1], names[3]]]):  # a later call's part replaces an earlier one
+        d = tmp_path / f"call{i}"
+        d.mkdir()
+        rows = [{"name": n, "targets": "t", "commands": [{"command": "x", "rc": 0, "seconds": 1.0, "tail": f"{n}{i}"}]}
+                for n in parts]
+        (d / "gpu_pass.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "d",
+                                                     "parts": rows, "left": []}))
+    md = gpu_pass.merge([str(tmp_path / "call0"), str(tmp_path / "call1")], tmp_path).read_text()
+    assert (tmp_path / "gpu_pass_h100.md").exists()
+    heads = [line[3:] for line in md.splitlines() if line.startswith("## ")]
+    assert heads == [names[0], names[1], names[3]]
+    assert f"{names[1]}1" in md and f"{names[1]}0" not in md
+    assert f"left for another call: {', '.join(n for n in names if n not in heads)}" in md
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, sentence in [([], "error: no CUDA GPU is visible here; the GPU pass measures a GPU: run it on one "
+                                "(--list shows what it would run)"),
+                           (["--parts", "nope"], f"error: no part is called 'nope'; the parts are {', '.join(names)}"),
+                           (["--budget", "10"], "error: --budget must be between 60 and 3600 seconds (got 10)")]:
+        assert gpu_pass.main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [sentence]

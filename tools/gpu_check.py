@@ -17,7 +17,7 @@ the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png
 
     python -m tools.gpu_check                 # everything (8 minutes on one H100 before the dry runs)
     python -m tools.gpu_check --no-tests      # the runs only
-    python -m tools.gpu_check --only 02       # the runs whose names start with 02
+    python -m tools.gpu_check --only 02       # the runs whose names start with 02 (01,02: either)
     python -m tools.gpu_check --cpu           # the uncompiled runs at toy scale on the CPU, no
                                               # tests (the test suite runs it, so it cannot rot)
 
@@ -269,7 +269,8 @@ def main(argv=None) -> int:
                                 allow_abbrev=False)
     p.add_argument("--cpu", action="store_true", help="the same runs at toy scale on the CPU (no test suite)")
     p.add_argument("--no-tests", action="store_true", help="skip the test suite")
-    p.add_argument("--only", default="", help="the runs whose names start with this")
+    p.add_argument("--only", default="", help="the runs whose names start with this (or with any of several, "
+                                               "comma-separated); the report keeps earlier runs' other rows")
     p.add_argument("--report-dir", default=None,
                    help="where the report and figures go (default: figs/, or runs/gpu_check_cpu with --cpu)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per launch before it is stopped (default 420)")
@@ -286,7 +287,8 @@ def main(argv=None) -> int:
         print("error: no CUDA GPU is visible here (or this torch has no CUDA); run this on a GPU machine, or pass "
               "--cpu for the same runs at toy scale on the CPU", file=sys.stderr)
         return 2
-    checks = [c for c in CHECKS if c.name.startswith(args.only) and (c.toy or not args.cpu)]
+    prefixes = tuple(args.only.split(","))
+    checks = [c for c in CHECKS if c.name.startswith(prefixes) and (c.toy or not args.cpu)]
     if not checks:
         print(f"error: no run name starts with {args.only!r}; names start with 01, 02, 1b or 03", file=sys.stderr)
         return 2
@@ -315,8 +317,13 @@ def main(argv=None) -> int:
               f"{'' if args.cpu or nproc == 1 else 's'}: {', '.join(c.name for c in group)}", flush=True)
         err = launch(group, key, nproc, group[0].all_gpus, args.cpu, device, runs_dir, args.timeout)
         rows += [result_row(c, runs_dir, nproc, err) for c in group]
-    order = [c.name for c in checks]
-    rows.sort(key=lambda r: order.index(r["name"]))  # the report lists the runs as CHECKS does
+    earlier = report_dir / f"gpu_check_{slug}.json"
+    old = json.loads(earlier.read_text()) if args.only and earlier.exists() else None
+    if old and (old["date"], old["torch"]) == (datetime.date.today().isoformat(), torch.__version__):
+        ran = {r["name"] for r in rows}  # a run in parts today (tools/gpu_pass.py): keep the other parts' rows
+        rows += [r for r in old["runs"] if r["name"] not in ran]
+    order = [c.name for c in CHECKS]
+    rows.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))  # as CHECKS lists them
     report = {"device": name, "gpus": gpus, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "runs": rows, "tests": None}
     if not (args.cpu or args.no_tests):
