@@ -737,19 +737,21 @@ def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
 
 # ==== random kills ==============================================================================
 def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
-    """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments (one at least while
-    a checkpoint is being written) under torchrun --max-restarts 3 --resume; the job still ends
-    with the uninterrupted DDP run's losses and final weights and AdamW state, bit for bit.
-    The tool runs the reference itself (24 steps: room for 3 kills before the last
-    checkpoint begins, after which the tool kills no more)."""
+    """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments under torchrun
+    --max-restarts 3 --resume; seed 7 draws one while a checkpoint is being written, one in a
+    step, and the last once the final checkpoint is written, before summary.json (the restart
+    must write it). The job still ends with the uninterrupted DDP run's losses, final weights,
+    AdamW state and summary's final loss, bit for bit. The tool runs the reference itself
+    (24 steps: room for 2 kills before the last checkpoint begins)."""
     t0 = time.perf_counter()
-    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "24", "--ckpt-every", "2",
+    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "7", "--steps", "24", "--ckpt-every", "2",
               "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
     print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
     res = json.loads((tmp_path / "chaos.json").read_text())
     assert r.returncode == 0 and res["match"], r.stdout + r.stderr[-3000:]
     assert len(res["kills"]) == 3 and res["restarts"] == 3, r.stdout
     assert any(k["during"] == "checkpoint write" for k in res["kills"]), r.stdout
+    assert res["kills"][-1]["during"] == "after the last checkpoint" and res["kills"][-1]["resumed_at"] == 24, r.stdout
     assert "3 kills, 3 restarts" in r.stdout and "result: same" in r.stdout
 
 
