@@ -186,9 +186,17 @@ class MemoryTracer:
 
     def staged(self, tensors):
         """The host copy a background checkpoint took of the state (``--ckpt-async``):
-        counted as "checkpoint staging" from now until it is freed, if recording."""
+        counted as "checkpoint staging" from now until it is freed, if recording. One copy,
+        one event: every tensor of it enters at the same point of the timeline."""
         self._take_frees()
-        self.tag(tensors, STAGING)
+        if not self.active:
+            return
+        at = self._t
+        for t in _plain_tensors(tensors):
+            rec = self._track(t)
+            if rec is not None and rec.alloc >= at:  # (new: not a storage seen before)
+                rec.category, rec.alloc = STAGING, at
+        self._t = at + 1 if self._t > at else at
 
     def watch(self, tensors, category: str):
         """Like ``tag``, and keep following the storages' size (see the class notes)."""
@@ -319,10 +327,18 @@ class MemoryTracer:
         self._on_free(key)
 
     def _take_frees(self):
+        """The frees another thread made since the last event, as one event (a write's end
+        drops its whole copy at once)."""
+        if not self._freed_elsewhere:
+            return
+        at, freed = self._t, False
         while self._freed_elsewhere:
             key = self._freed_elsewhere.pop(0)
             self._watched.pop(key, None)
-            self._on_free(key)
+            rec = self._live.pop(key, None)
+            if rec is not None and self.active:
+                rec.free, freed = at, True
+        self._t = at + 1 if freed else at
 
     def _on_free(self, key):
         rec = self._live.pop(key, None)
