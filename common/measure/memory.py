@@ -147,8 +147,9 @@ class MemoryTracer:
         self._cuda_history = False
         self._cuda_snapshot = None
         self._until_done = []
-        # Storages freed by another thread (a checkpoint's writer drops the host copy): their
-        # frees are taken in order by the recording thread, at its next event.
+        # A checkpoint's host copy freed by its writer thread: the recording thread takes the
+        # free at its next event. (Other frees are recorded where they happen, as always: on
+        # CUDA, backward's in autograd's device thread, which is then the one recording.)
         self._thread = threading.main_thread()
         self._freed_elsewhere: list = []
 
@@ -320,7 +321,8 @@ class MemoryTracer:
                 self._records.append(rec)
 
     def _on_dead(self, key):
-        if threading.current_thread() is not self._thread:
+        rec = self._live.get(key)
+        if rec is not None and rec.category == STAGING and threading.current_thread() is not self._thread:
             self._freed_elsewhere.append(key)  # (list.append is atomic; the counters are not)
             return
         self._watched.pop(key, None)  # its address may be reused by another storage
