@@ -31,7 +31,17 @@ step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and
 the result to the host without waiting; the next step reads it. So the ranks decide
 together, at the same step, even when the signal reached one rank alone, and no step waits
 for the vote. Then every rank saves that step and the run exits with EXIT_PREEMPTED (75)
-and "preempted at step N ...; resume with --resume".
+and "preempted at step N ...; resume with --resume". A signal in the last step (no step is
+left to stop before) lets the run complete: exit 0, and one line saying so (``Run.finish``).
+A script whose state this module cannot save (DeepSpeed's engine, ``can_save=False``) stops
+at the agreed step unsaved, exit 75, saying the steps are lost.
+
+The end of a run: a rank killed after the last step's checkpoint, before ``summary.json``
+(written last), leaves a run whose training is done and whose outputs are not. ``--resume``
+then finds the last step's checkpoint, every step in metrics.jsonl and no summary.json: it
+loads the checkpoint, trains nothing and lets the run write its outputs (``finishing``).
+With a summary.json there the run is complete and ``--resume`` refuses ("nothing is left to
+train"), except in a torchrun restart, which writes the outputs again.
 
 Also here, because they belong to the same "the run must survive" step: the non-finite
 loss check and the fault injection (``--fail-at-step``, ``--fail-how``) used to test

@@ -133,11 +133,12 @@ class Metrics:
                 self._tb = self._tb_class(log_dir=str(folder))
                 for row in self.rows:
                     self._scalars(row)
+        logged = self.rows
         if start >= self.args.steps and not self.ctx.is_main:  # every rank: they must agree on val_loss
-            self.rows = [json.loads(line) for line in self._read_lines(self.args.out / "metrics.jsonl")]
-        if self.rows:  # a run resumed after its last step (only its outputs to write): what it had logged
-            self.last_loss = self.rows[-1]["loss"]
-            self.last_val = next(((r["step"], r["val_loss"]) for r in reversed(self.rows) if "val_loss" in r), None)
+            logged = [json.loads(line) for line in self._read_lines(self.args.out / "metrics.jsonl")]
+        if logged:  # a run resumed after its last step (only its outputs to write): what it had logged
+            self.last_loss = logged[-1]["loss"]
+            self.last_val = next(((r["step"], r["val_loss"]) for r in reversed(logged) if "val_loss" in r), None)
         self.bar = tqdm(range(start, self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
                         unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()

@@ -220,7 +220,8 @@ def ckpt_staging_bytes(strategy: str, cfg: ModelConfig, world: int, rank: int = 
     holds (moments and 4-byte step counts). Under DDP that is 12N + 4 bytes per parameter
     tensor on *every* rank, although the files hold one copy (each replica writes a part).
     On a GPU this is host memory beside the GPU's; on a CPU it is a second copy of the state
-    in the same memory, alive from one checkpoint step until its write ends."""
+    in the same memory, alive from one checkpoint step until its write ends, which the memory
+    trace counts as "checkpoint staging" (tests/test_checkpoint.py: exactly these bytes)."""
     strategy = ALIASES.get(strategy, strategy)
     kind = "fsdp" if strategy.startswith(("fsdp", "hsdp")) else strategy
     s = shard or world
