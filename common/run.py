@@ -199,10 +199,10 @@ class Run:
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
         late = self.ckpt.signal_at_the_end()
-        if late:  # a SIGTERM/SIGUSR1 in the last step: no step was left to stop before, so the run completed
+        if late:  # a SIGTERM/SIGUSR1 too late for the vote to stop a step: the run completed
             saved = f" and its checkpoint of step {a.steps - 1}" if a.ckpt_every else ""
-            ctx.print(f"{late} came in the last step: the run completed all {a.steps} steps and wrote its outputs"
-                      f"{saved}; nothing is lost and nothing is left to resume.")
+            ctx.print(f"{late} came with no step left to stop before: the run completed all {a.steps} steps and "
+                      f"wrote its outputs{saved}; nothing is lost and nothing is left to resume.")
         self.ckpt.close()
         unlock_out(self.lock)
         if not math.isfinite(self.metrics.last_loss) and not ctx.fake:

@@ -400,8 +400,8 @@ def test_a_signal_in_the_last_step_lets_the_run_complete(jobs):
     run = jobs.elastic["ddp_sigterm_last"]
     assert run["code"] == 0 and list(run["losses"]) == ["0", "1"], run["stderr"]
     assert run["checkpoints"] == ["step_00000000", "step_00000001"]
-    assert ("SIGTERM came in the last step: the run completed all 2 steps and wrote its outputs and its checkpoint "
-            "of step 1; nothing is lost and nothing is left to resume.") in run["stdout"]
+    assert ("SIGTERM came with no step left to stop before: the run completed all 2 steps and wrote its outputs and "
+            "its checkpoint of step 1; nothing is lost and nothing is left to resume.") in run["stdout"]
     assert (jobs.folder / "ddp_sigterm_last" / "summary.json").exists()
 
 
