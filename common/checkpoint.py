@@ -469,6 +469,12 @@ class Checkpointer:
             for left in self.folder.glob(f"step_*{PARTIAL}"):
                 shutil.rmtree(left, ignore_errors=True)
         self.finishing = meta["step"] + 1 == self.args.steps and self._outputs_missing()
+        if dist.is_initialized() and self.ctx.has_peers:
+            # rank 0's reading of the files, on every rank: were two ranks to see summary.json
+            # differently (a file system's cached view), one would refuse while the others load
+            box = [self.finishing]
+            dist.broadcast_object_list(box, src=0)
+            self.finishing = box[0]
         if meta["step"] + 1 >= self.args.steps and not self.finishing:
             raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
                             f"or past it: nothing is left to train; raise --steps to continue.")
