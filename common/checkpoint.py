@@ -31,7 +31,17 @@ step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and
 the result to the host without waiting; the next step reads it. So the ranks decide
 together, at the same step, even when the signal reached one rank alone, and no step waits
 for the vote. Then every rank saves that step and the run exits with EXIT_PREEMPTED (75)
-and "preempted at step N ...; resume with --resume".
+and "preempted at step N ...; resume with --resume". A signal in the last step (no step is
+left to stop before) lets the run complete: exit 0, and one line saying so (``Run.finish``).
+A script whose state this module cannot save (DeepSpeed's engine, ``can_save=False``) stops
+at the agreed step unsaved, exit 75, saying the steps are lost.
+
+The end of a run: a rank killed after the last step's checkpoint, before ``summary.json``
+(written last), leaves a run whose training is done and whose outputs are not. ``--resume``
+then finds the last step's checkpoint, every step in metrics.jsonl and no summary.json: it
+loads the checkpoint, trains nothing and lets the run write its outputs (``finishing``).
+With a summary.json there the run is complete and ``--resume`` refuses ("nothing is left to
+train"), except in a torchrun restart, which writes the outputs again.
 
 Also here, because they belong to the same "the run must survive" step: the non-finite
 loss check and the fault injection (``--fail-at-step``, ``--fail-how``) used to test
@@ -198,8 +208,12 @@ class Checkpointer:
     the checkpoint does not depend on how layers were split among ranks.
     """
 
-    def __init__(self, args, ctx, parts, scheduler=None, batches=None, parallel: dict | None = None):
+    def __init__(self, args, ctx, parts, scheduler=None, batches=None, parallel: dict | None = None,
+                 can_save: bool = True):
         self.args, self.ctx = args, ctx
+        # False: a script whose state this checkpointer cannot save (DeepSpeed's engine, which
+        # refuses --ckpt-every and --resume); a stop signal then stops every rank unsaved
+        self.can_save = can_save
         # A part may name several modules that share one optimizer (the two stages of an
         # interleaved pipeline rank): DCP maps an optimizer's parameters through one module.
         self.parts = [(_union(m) if isinstance(m, (list, tuple)) else m, o) for m, o in parts]
@@ -211,11 +225,13 @@ class Checkpointer:
             raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
                             f"{ctx.world_size - 1}.")
         self.signalled: str | None = None  # the stop signal this rank received, if any
+        self.finishing = False  # resumed from the last step's checkpoint: only the outputs are left to write
         self._vote = None  # the HostCopy of the last step's vote, read one step late
         self._flag = None  # the vote's device tensor, reused: filling it queues no host wait
         self._handlers, self._closed = {}, False
         # --ckpt-async: the write in flight (thread, step, folder), its error, its host copy's bytes
         self._writing, self._write_error, self.staging_bytes, self.write_seconds = None, None, 0, []
+        self.on_staged = None  # called with each background checkpoint's host copy (Run: the memory tracer)
         self._write_group = None
         if getattr(args, "ckpt_async", False) and dist.is_initialized() and not getattr(ctx, "fake", False):
             # every rank, at once (a collective); on GPUs it is also the CPU backend async_save requires
@@ -236,7 +252,7 @@ class Checkpointer:
         if first:
             threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True).start()
 
-    def _mark_progress(self):
+    def mark_progress(self):
         now = time.monotonic()
         self._longest = max(self._longest, now - self._progress)
         self._progress = now
@@ -254,6 +270,18 @@ class Checkpointer:
                 print(f"[rank {self.ctx.rank}] {self.signalled}: no step ended in {idle:.0f} s since the signal "
                       f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
                 os._exit(128 + signum)
+
+    def signal_at_the_end(self) -> str | None:
+        """At the end of a run that finished every step: the stop signal any rank received and
+        no vote turned into a stop (it came in the last step, or after it), else None. Every
+        rank calls this (one reduction, once a run)."""
+        if getattr(self.ctx, "fake", False):
+            return None
+        code = torch.tensor([float(signal.Signals[self.signalled].value if self.signalled else 0)],
+                            device=self.ctx.device)
+        if self.ctx.has_peers:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(code.item())).name if code.item() else None
 
     def close(self):
         """Give the signals back to whoever had them (a harness running several runs)."""
@@ -344,7 +372,9 @@ class Checkpointer:
                 # async_save copies every tensor to host memory now (the training waits for
                 # that), then writes from the copy in a thread, on a gloo group of its own: a
                 # thread's collectives must never interleave with the training's on one group.
-                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._write_group)
+                stager = _stager(self.on_staged)
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._write_group,
+                                        **({"async_stager": stager} if stager is not None else {}))
             else:
                 dcp.save(state, checkpoint_id=str(partial))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a folder gone read-only
@@ -353,7 +383,7 @@ class Checkpointer:
         self._all_ok(error, partial, step)  # staged (async) or written (sync) on every rank
         meta = self._meta(step)  # now: the LR schedule and data position move on while a write runs
         if background:
-            self._writing = (threading.Thread(target=self._finish_write, args=(future, meta, partial, final),
+            self._writing = (threading.Thread(target=self._finish_write, args=(future, meta, partial, final, stager),
                                               name="checkpoint-write"), step, partial)
             self._writing[0].start()
             return final
@@ -376,10 +406,10 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         return None
 
-    def _finish_write(self, future, meta: dict, partial: Path, final: Path):
+    def _finish_write(self, future, meta: dict, partial: Path, final: Path, stager=None):
         """The write's thread: wait for DCP's write; on rank 0, declare the checkpoint. DCP's
         write ends on rank 0 after it has gathered every rank's result (and written
-        .metadata), so every rank's files are there by then."""
+        .metadata), so every rank's files are there by then. Then the host copy goes."""
         t0 = time.perf_counter()
         try:
             future.result()
@@ -388,6 +418,9 @@ class Checkpointer:
                 self._write_error = self._declare(meta, partial, final)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - said by wait(), on every rank
             self._write_error = e
+        finally:
+            if stager is not None:
+                stager.close()  # a stager we give async_save is ours to close: it frees its copy
 
     def wait(self):
         """Wait for the checkpoint being written in the background, if any; every rank then
@@ -435,7 +468,14 @@ class Checkpointer:
         if self.ctx.is_main:  # writes a crash cut short: never loaded, and in the way of nobody
             for left in self.folder.glob(f"step_*{PARTIAL}"):
                 shutil.rmtree(left, ignore_errors=True)
-        if meta["step"] + 1 >= self.args.steps:
+        self.finishing = meta["step"] + 1 == self.args.steps and self._outputs_missing()
+        if dist.is_initialized() and self.ctx.has_peers:
+            # rank 0's reading of the files, on every rank: were two ranks to see summary.json
+            # differently (a file system's cached view), one would refuse while the others load
+            box = [self.finishing]
+            dist.broadcast_object_list(box, src=0)
+            self.finishing = box[0]
+        if meta["step"] + 1 >= self.args.steps and not self.finishing:
             raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
                             f"or past it: nothing is left to train; raise --steps to continue.")
         state = self._state()
@@ -463,7 +503,30 @@ class Checkpointer:
             if saved["cuda"] is not None and self.ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(saved["cuda"])
         self.ctx.print(f"resumed from {path} (step {meta['step']}, saved by {meta['world_size']} rank(s))")
+        if self.finishing:
+            self.ctx.print(f"step {meta['step']} is the last of --steps {self.args.steps}: the run was stopped after "
+                           f"its last checkpoint, before its outputs; writing them now (nothing to train).")
         return meta["step"] + 1
+
+    def _outputs_missing(self) -> bool:
+        """Whether the run in --out trained every step (metrics.jsonl has each one) but stopped
+        before writing its outputs: summary.json, written last, is missing (a run that starts
+        training removes an older one). A torchrun restart also finishes a run whose
+        summary.json is there: it may have died between that file and its exit."""
+        out = Path(self.args.out)
+        try:
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return False  # a checkpoint copied here alone: not this folder's run
+        logged = set()
+        for line in lines:
+            try:
+                logged.add(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn line: its step is not counted
+        if not set(range(self.args.steps)) <= logged:
+            return False
+        return self.restart > 0 or not (out / "summary.json").exists()
 
     def _check_compatible(self, path: Path, meta: dict):
         """Refuse a checkpoint of another run, naming every setting that differs in one
@@ -502,14 +565,19 @@ class Checkpointer:
         vote on stopping. ``stop`` (from ``stop_agreed``): save this step and leave."""
         if getattr(self.ctx, "fake", False):
             return
-        self._mark_progress()
+        self.mark_progress()
         fault = self.args.fail_at_step == step and self.restart == 0 and self.ctx.rank == self.args.fail_rank
         if fault and self.args.fail_how != "exit":
             self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
         last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
+        if stop and not last and not self.can_save:
+            self.close()
+            raise Preempted(f"preempted at step {step}: every rank stopped there, but {self.args.script}.py does not "
+                            f"checkpoint, so nothing was saved and the {step + 1} steps trained are lost; run it "
+                            f"again from the start.")
         if self.saves_at(step) or (stop and not last):
             path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
-            self._mark_progress()
+            self.mark_progress()
             if stop and not last:
                 self.close()
                 raise Preempted(f"preempted at step {step}: every rank saved {path}; resume with --resume "
@@ -520,6 +588,26 @@ class Checkpointer:
             os._exit(17)
         if not last:
             self._cast_vote()
+
+
+def _stager(on_staged):
+    """DCP's default stager for async_save (a plain copy to host memory, made before
+    async_save returns), which also hands the copy to ``on_staged`` (the memory tracer's
+    "checkpoint staging"). None where this torch has no such class: async_save's own then."""
+    if on_staged is None:
+        return None
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+
+    class Stager(DefaultStager):
+        def stage(self, state_dict, **kwargs):
+            staged = super().stage(state_dict, **kwargs)
+            on_staged(staged)
+            return staged
+
+    return Stager(StagingOptions(False, False, False, False))  # what async_save builds when given none
 
 
 def _local_bytes(state) -> int:

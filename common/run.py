@@ -44,13 +44,15 @@ class Run:
     arguments of that prediction (shard, microbatches, ...); dtype, ac and accum come from
     the saver flags (--amp, --ac, --grad-accum) unless given. ``fsdp``: let the tracer
     see FSDP's gathered parameters. ``sources``: optimizer state the tracer cannot find
-    by itself (ZeRO-1's inner optimizer). ``evaluate``: the held-out loss of the model as it
+    by itself (ZeRO-1's inner optimizer). ``checkpoints=False``: this script's state cannot be
+    saved by common/checkpoint.py (DeepSpeed's engine); a stop signal stops every rank at one
+    step, unsaved, exit 75. ``evaluate``: the held-out loss of the model as it
     is now (a float, the same on every rank, which all call it together), or None; Run calls
     it every --eval-every steps and once at the end."""
 
     def __init__(self, args, ctx, models, optimizer, scheduler=None, data=None, *, strategy: str | None,
                  title: str, parallel: dict | None = None, dtype: str | None = None, predict: dict | None = None,
-                 fsdp: bool = False, sources=(), ckpt_optimizer=None, evaluate=None):
+                 fsdp: bool = False, sources=(), ckpt_optimizer=None, evaluate=None, checkpoints: bool = True):
         self.args, self.ctx, self.scheduler, self.evaluate = args, ctx, scheduler, evaluate
         dtype = dtype or getattr(args, "compute_dtype", "fp32")
         self.strategy = strategy
@@ -68,11 +70,13 @@ class Run:
         # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
         part = self.models if len(self.models) > 1 else self.models[0]
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
-                                 parallel=self.parallel)
+                                 parallel=self.parallel, can_save=checkpoints)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
         self.ckpt.listen()  # SIGTERM/SIGUSR1 (a cluster taking the nodes back): save one agreed step, stop
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)
+        if self.tracer.enabled:  # --ckpt-async's host copy, when its checkpoint step is in the traced window
+            self.ckpt.on_staged = self.tracer.staged
         if fsdp:
             from common.parallelize.fsdp import trace_fsdp_memory
             for m in self.models:
@@ -163,6 +167,7 @@ class Run:
         """Measure the validation loss, draw the memory figure, write summary.json, print
         prediction and bytes (rank 0); with --save-weights, gather the weights into OUT/weights.pt."""
         a, ctx = self.args, self.ctx
+        self.ckpt.mark_progress()  # (a signal's watch on stuck steps counts the outputs' time from here)
         self.ckpt.wait()  # --ckpt-async: the last checkpoint is written and declared before the run ends
         if self.ckpt.staging_bytes:
             # host memory, per rank (rank 0's), and how long each background write took
@@ -193,6 +198,11 @@ class Run:
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
+        late = self.ckpt.signal_at_the_end()
+        if late:  # a SIGTERM/SIGUSR1 too late for the vote to stop a step: the run completed
+            saved = f" and its checkpoint of step {a.steps - 1}" if a.ckpt_every else ""
+            ctx.print(f"{late} came with no step left to stop before: the run completed all {a.steps} steps and "
+                      f"wrote its outputs{saved}; nothing is lost and nothing is left to resume.")
         self.ckpt.close()
         unlock_out(self.lock)
         if not math.isfinite(self.metrics.last_loss) and not ctx.fake:

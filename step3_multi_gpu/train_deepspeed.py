@@ -78,9 +78,9 @@ def main(argv=None):
                    help="1: shard AdamW's state; 2: and the gradients; 3: and the parameters (default: 2)")
     p.add_argument("--amp", default="off", choices=("off",), help="fp32 only (see above)")
     args = cli.parse(p, argv)
-    if args.ckpt_every or args.resume:
+    if args.ckpt_every or args.resume:  # (--ckpt-async needs --ckpt-every: refused with it)
         raise UserError("train_deepspeed.py does not checkpoint (DeepSpeed saves its own, engine.save_checkpoint); "
-                        "drop --ckpt-every and --resume.")
+                        "drop --ckpt-every, --ckpt-async and --resume.")
     if args.clip_by == "local":
         raise UserError("--clip-by local is not offered with DeepSpeed: its engine always clips by the global norm; "
                         "drop --clip-by.")
@@ -118,7 +118,7 @@ def main(argv=None):
         scheduler = lr_schedule(inner, args)
         run = Run(args, ctx, engine.module, inner, scheduler, data, strategy=None,
                   title=f"DeepSpeed ZeRO-{args.zero_stage}", parallel={"dp": ctx.world_size},
-                  sources=[zero_sources(engine)],
+                  sources=[zero_sources(engine)], checkpoints=False,  # SIGTERM: every rank stops, unsaved
                   evaluate=lambda: evaluate(engine, corpus.val, args, ctx.device))
         # DeepSpeed's own count of its collectives (its comms logger), on the steps whose
         # bytes our counter counts: a second witness to the bytes in summary.json.

@@ -156,14 +156,17 @@ TWO_NODES = {
 }
 # Job 2, 2 ranks under torchrun --max-restarts 4: four runs crash once each.
 R = B3 + C + ["--resume"]
+# Steps 1 and 2 traced (the default window), with step 1's checkpoint inside it
+TRACED = ["--trace-memory", "--trace-start", "1", "--trace-steps", "2"]
 ELASTIC = {
-    "ddp": {"script": "ddp", "flags": B3 + C},
+    "ddp": {"script": "ddp", "flags": B3 + C + TRACED},
     "fsdp": {"script": "fsdp", "flags": B3 + C + ["--save-weights"]},  # (and its weights, for tools.generate)
     "ddp_fault": {"script": "ddp", "flags": R + ["--fail-at-step", "4"]},
     "fsdp_fault": {"script": "fsdp", "flags": R + ["--fail-at-step", "4", "--fail-rank", "1"]},
     # the default bf16 (FSDP's mixed-precision policy): resumed exactly too
     "fsdp_bf16": {"script": "fsdp", "flags": B + C},
-    "fsdp_bf16_fault": {"script": "fsdp", "flags": B + C + ["--resume", "--fail-at-step", "4"]},
+    # ... killed after its last step's checkpoint, before its outputs: the restart writes them
+    "fsdp_bf16_fault": {"script": "fsdp", "flags": B + C + ["--resume", "--fail-at-step", "5"]},
     # another world size
     "fsdp_from_fsdp4": {"script": "fsdp", "flags": R, "from": ["fsdp4", 3]},
     "zero1_from_zero1_4": {"script": "ddp", "flags": R + ["--zero1"], "from": ["zero1_4", 3]},
@@ -184,10 +187,13 @@ ELASTIC = {
     # ... one that arrives while step 3's checkpoint is being written
     "fsdp_sigusr1_in_save": {"script": "fsdp", "flags": R + ["--fail-at-step", "3", "--fail-how", "sigusr1"]},
     "fsdp_sigusr1_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_sigusr1_in_save", "latest"]},
+    # ... one in the last step: nothing to stop before, the run completes (exit 0)
+    "ddp_sigterm_last": {"script": "ddp", "flags": B3 + ["--steps", "2", "--ckpt-every", "1", "--fail-at-step", "1",
+                                                         "--fail-rank", "1", "--fail-how", "sigterm"]},
     # ... and SIGTERM to torchrun itself (PREEMPT_TORCHRUN, a job of its own, before this one)
     "fsdp_torchrun_resumed": {"script": "fsdp", "flags": R, "from": ["fsdp_torchrun", "latest"]},
     # --ckpt-async: written in the background, resumed exactly (by --resume, and after a crash)
-    "ddp_async": {"script": "ddp", "flags": B3 + C + ["--ckpt-async"]},
+    "ddp_async": {"script": "ddp", "flags": B3 + C + ["--ckpt-async"] + TRACED},
     "ddp_async_resumed": {"script": "ddp", "flags": R + ["--ckpt-async"], "from": ["ddp_async", 3]},
     "fsdp_async_fault": {"script": "fsdp", "flags": R + ["--ckpt-async", "--fail-at-step", "4", "--fail-rank", "1"]},
     # misuse: each one sentence, exit 2, the checkpoint left as it was
@@ -282,13 +288,20 @@ def test_each_rank_of_a_second_node_takes_its_local_gpu(jobs):
 
 
 def test_killed_and_restarted_runs_continue_exactly(jobs):
-    """torchrun --max-restarts: rank 0 (DDP, FSDP in bf16) / rank 1 (FSDP) dies after step 4;
-    the job restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit."""
+    """torchrun --max-restarts: rank 0 (DDP) / rank 1 (FSDP) dies after step 4; the job
+    restarts, resumes from step 3's checkpoint, redoes step 4: every loss bit for bit. Rank 0
+    of FSDP in bf16 dies after step 5, the last, once its checkpoint is written and before
+    the run's outputs: the restart loads it, trains nothing, and writes summary.json as the
+    uninterrupted run did (the same losses and validation loss), exit 0."""
     e = jobs.elastic
     for faulty, plain in (("ddp_fault", "ddp"), ("fsdp_fault", "fsdp"), ("fsdp_bf16_fault", "fsdp_bf16")):
         assert e[faulty]["restarted"] and e[faulty]["job_attempt"] >= 1  # it really died
         assert e[faulty]["losses"] == e[plain]["losses"]  # all six steps, no gap, no repeat
         assert e[faulty]["checkpoints"] == ["step_00000001", "step_00000003", "step_00000005"]
+    assert "step 5 is the last of --steps 6: the run was stopped after its last checkpoint, before its outputs; " \
+           "writing them now" in e["fsdp_bf16_fault"]["stdout"]
+    done, plain = (json.loads((jobs.folder / n / "summary.json").read_text()) for n in ("fsdp_bf16_fault", "fsdp_bf16"))
+    assert (done["final_loss"], done["first_loss"], done["steps"]) == (plain["final_loss"], plain["first_loss"], 6)
 
 
 def _weights(checkpoint: Path, tmp: Path) -> dict:
@@ -357,6 +370,39 @@ def test_async_checkpoints_resume_exactly_and_stage_the_predicted_bytes(jobs, tm
         assert summary["ckpt_staging_bytes"] == ckpt_staging_bytes(strategy, cfg, world=2, rank=0), run
     n = sum(p.numel() for p in Transformer(cfg).parameters())
     assert ckpt_staging_bytes("ddp", cfg, 2) == 12 * n + 4 * len(list(Transformer(cfg).parameters()))
+
+
+def test_the_memory_trace_counts_the_async_host_copy(jobs):
+    """Steps 1 and 2 traced, a checkpoint after step 1: with --ckpt-async each rank's trace has
+    a category "checkpoint staging" whose peak is exactly the formula's bytes (DCP's stager
+    copies each tensor's whole storage, and under DDP a storage is a tensor), and theory's
+    report holds it to them; the same run written synchronously has no such category."""
+    from common.measure.memory import CATEGORIES, STAGING
+    from common.measure.theory import ckpt_staging_bytes
+    async_run, sync_run = (json.loads((jobs.folder / n / "summary.json").read_text()) for n in ("ddp_async", "ddp"))
+    assert [m["rank"] for m in async_run["memory"]] == [0, 1]
+    for m, p in zip(async_run["memory"], async_run["predicted"]["per_rank"]):
+        want = ckpt_staging_bytes("ddp", get_config("debug"), world=2, rank=m["rank"])
+        assert m["peak_by_category"][STAGING] == want == p[STAGING] == p[f"measured {STAGING}"], m["rank"]
+        assert list(m["at_peak"]) == [*CATEGORIES, STAGING]
+    assert [m["rank"] for m in sync_run["memory"]] == [0, 1]
+    for m in sync_run["memory"]:
+        assert list(m["peak_by_category"]) == list(m["at_peak"]) == list(CATEGORIES), m["rank"]
+    assert STAGING not in sync_run["predicted"]["per_rank"][0]
+    trace = json.loads((jobs.folder / "ddp_async" / "memory_trace.json").read_text())
+    assert max(trace[0]["series"][STAGING]) == async_run["memory"][0]["peak_by_category"][STAGING]
+    assert STAGING not in json.loads((jobs.folder / "ddp" / "memory_trace.json").read_text())[0]["series"]
+
+
+def test_a_signal_in_the_last_step_lets_the_run_complete(jobs):
+    """SIGTERM to rank 1 in the last step: no step is left to stop before, so the run ends as
+    it would have (exit 0, its checkpoint and summary.json written) and says so in one line."""
+    run = jobs.elastic["ddp_sigterm_last"]
+    assert run["code"] == 0 and list(run["losses"]) == ["0", "1"], run["stderr"]
+    assert run["checkpoints"] == ["step_00000000", "step_00000001"]
+    assert ("SIGTERM came with no step left to stop before: the run completed all 2 steps and wrote its outputs and "
+            "its checkpoint of step 1; nothing is lost and nothing is left to resume.") in run["stdout"]
+    assert (jobs.folder / "ddp_sigterm_last" / "summary.json").exists()
 
 
 def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
@@ -691,17 +737,50 @@ def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
 
 # ==== random kills ==============================================================================
 def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
-    """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments (one at least while
-    a checkpoint is being written) under torchrun --max-restarts 3 --resume; the job still ends
-    with the uninterrupted DDP run's losses and final weights and AdamW state, bit for bit.
-    The tool runs the reference itself (24 steps: room for 3 kills before the last
-    checkpoint begins, after which the tool kills no more)."""
+    """python -m tools.chaos: 3 SIGKILLs of random ranks at random moments under torchrun
+    --max-restarts 3 --resume; seed 7 draws one while a checkpoint is being written, one in a
+    step, and the last once the final checkpoint is written, before summary.json (the restart
+    must write it). The job still ends with the uninterrupted DDP run's losses, final weights,
+    AdamW state and summary's final loss, bit for bit. The tool runs the reference itself
+    (24 steps: room for 2 kills before the last checkpoint begins)."""
     t0 = time.perf_counter()
-    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "3", "--steps", "24", "--ckpt-every", "2",
+    r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "7", "--steps", "24", "--ckpt-every", "2",
               "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
     print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
     res = json.loads((tmp_path / "chaos.json").read_text())
     assert r.returncode == 0 and res["match"], r.stdout + r.stderr[-3000:]
     assert len(res["kills"]) == 3 and res["restarts"] == 3, r.stdout
     assert any(k["during"] == "checkpoint write" for k in res["kills"]), r.stdout
+    assert res["kills"][-1]["during"] == "after the last checkpoint" and res["kills"][-1]["resumed_at"] == 24, r.stdout
     assert "3 kills, 3 restarts" in r.stdout and "result: same" in r.stdout
+
+
+# ==== Slurm's requeue (step4_multi_node/train.slurm, with srun and scontrol stubbed) ============
+def test_train_slurm_requeues_a_warned_job_only_if_the_run_is_not_complete(tmp_path):
+    """The batch script gets USR1 (Slurm's warning) while srun runs; torchrun exits 1 after
+    any forwarded signal, so the script looks at the run's summary.json: absent, the ranks
+    were preempted and the job is requeued; present, the run completed (a warning in its
+    last step) and the job ends without a requeue. Both exit 0."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    # srun: warn the batch shell as Slurm's --signal=B:USR1 does, then end as torchrun does after it
+    (bin_ / "srun").write_text("#!/bin/bash\ntrap 'exit 1' USR1\nsleep 0.3\nkill -USR1 $PPID\n"
+                               "for i in $(seq 100); do sleep 0.05; done\nexit 1\n")
+    (bin_ / "scontrol").write_text(f"#!/bin/bash\n[ \"$1\" = requeue ] && echo \"$2\" >> {tmp_path}/requeued\n"
+                                   "[ \"$1\" = show ] && echo node1\nexit 0\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
+               SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="2")
+    out = tmp_path / "run"
+    out.mkdir()
+    for complete in (False, True):
+        if complete:
+            (out / "summary.json").write_text("{}")
+        r = subprocess.run(["bash", str(ROOT / "step4_multi_node" / "train.slurm"), "step3_multi_gpu/train_fsdp.py",
+                            "--steps", "5", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+        assert requeued == ["42"], (complete, r.stderr)  # once: by the first (incomplete) job only
+        assert ("not requeued" in r.stderr) == complete, r.stderr

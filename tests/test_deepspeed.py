@@ -5,7 +5,9 @@ without it, and the other tests check, without it, that its absence costs one se
 and never the rest of the tutorial.
 """
 import json
+import os
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -76,3 +78,24 @@ def test_without_deepspeed_the_script_is_one_sentence(monkeypatch, capsys, tmp_p
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: DeepSpeed is not installed (the tutorial does not need it, only this comparison does); "
         "pip install deepspeed==0.19.8."]
+
+
+def test_a_stop_signal_stops_deepspeed_at_one_step_unsaved(tmp_path):
+    """SIGTERM to rank 1 alone at step 1 of ZeRO-3: train_deepspeed.py takes part in the stop
+    vote (Run's), so both ranks stop after step 2, the same step, and exit 75 with one sentence
+    from rank 0; it cannot save DeepSpeed's engine with common/checkpoint.py (it refuses
+    --ckpt-every), so it writes no checkpoint and says the steps are lost. (Before, the stop
+    tried a DCP save of ZeRO-3's emptied parameters and failed with a wrong sentence.)"""
+    pytest.importorskip("deepspeed")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "step3_multi_gpu/train_deepspeed.py", *STEPS, "--steps", "4", "--zero-stage", "3",
+                        "--no-trace-memory", "--fail-at-step", "1", "--fail-rank", "1", "--fail-how", "sigterm",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    # (torchrun names the first rank to leave with 75; the other may be stopped by it first)
+    assert r.returncode != 0 and "exitcode  : 75" in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if line.startswith("preempted")]
+    assert said == ["preempted at step 2: every rank stopped there, but train_deepspeed.py does not checkpoint, so "
+                    "nothing was saved and the 3 steps trained are lost; run it again from the start."], r.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

@@ -12,7 +12,7 @@ from common.model import build_model, count_params, get_config
 CTX = SimpleNamespace(rank=0, world_size=1, is_main=True)
 
 
-def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None):
+def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None, between=None):
     torch.manual_seed(0)
     cfg = get_config("debug")
     model = build_model(cfg, "cpu", seed=0)
@@ -30,6 +30,8 @@ def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if between is not None:
+            between(step, tracer, model, opt)
     return tracer, model, opt, losses
 
 
@@ -84,3 +86,49 @@ def test_recording_off_adds_nothing(tmp_path):
     assert seen_on == [0, 1, 0]                  # only the recorded step, and cleaned up after
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert losses_on == losses_off               # recording does not change the numbers
+
+
+def test_a_checkpoint_host_copy_is_its_own_category_freed_by_its_writer_thread(tmp_path):
+    """What --ckpt-async's stager copied after step 1 (a clone of the model state, handed over
+    with ``staged``) is "checkpoint staging" until the thread that wrote it drops it, during
+    step 2; the other categories are those of a run without it, and so is a trace without it."""
+    import threading
+
+    from common.measure.memory import CATEGORIES, STAGING
+    held, done = {}, threading.Event()
+
+    def checkpoint(step, tracer, model, opt):
+        if step != 1:
+            return
+        held["copy"] = [t.detach().clone() for t in [*model.parameters(), *(v for s in opt.state.values()
+                                                                             for v in s.values())]]
+        tracer.staged(held["copy"])
+
+        def write():  # the writer thread: done once step 2 has begun, then the copy goes
+            done.wait()
+            held.clear()
+        writer = threading.Thread(target=write)
+        writer.start()
+
+        def step2_begins(*_):
+            if not done.is_set():
+                done.set()
+                writer.join()  # the copy is freed in the writer's thread, in step 2
+        model.register_forward_pre_hook(step2_begins)
+
+    tracer, model, opt, _ = _train(steps=3, n=2, between=checkpoint)
+    plain, *_ = _train(steps=3, n=2)
+    n, tensors = count_params(get_config("debug")), len(list(model.parameters()))
+    r = tracer.result
+    assert r["peak_by_category"][STAGING] == 12 * n + 4 * tensors  # weights + AdamW moments + step counts
+    assert list(r["peak_by_category"]) == [*CATEGORIES, STAGING] and list(plain.result["peak_by_category"]) == \
+        list(CATEGORIES)
+    assert {c: r["peak_by_category"][c] for c in CATEGORIES} == plain.result["peak_by_category"]
+    staged = r["series"][STAGING]
+    assert staged[0] == 0 and staged[-1] == 0 and max(staged) == 12 * n + 4 * tensors  # taken, then freed
+    step2 = next(e for e, s in r["steps"] if s == 2)
+    freed = next(e for e, b in zip(r["series"]["event"], staged) if e > step2 and b == 0)
+    assert freed > step2  # freed in another thread, counted when the recording thread next ran
+    traces = tracer.save(tmp_path, CTX, title="test")
+    assert set(traces[0]["series"]) == {"event", *CATEGORIES, STAGING}
+    assert (tmp_path / "memory_trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

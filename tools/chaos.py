@@ -11,12 +11,13 @@ the --out of a run with the same flags). Then it runs again under
 (a worker process of torchrun, found in /proc: a child of torchrun whose environment says
 its RANK) at random moments: each attempt trains a random number of steps (1 to two
 checkpoint intervals), then the kill comes at once or at the next checkpoint write (a
-``step_..._partial`` folder exists). No kill once the last checkpoint has begun: a restart
-from the final step refuses to train ("nothing is left to train") and the job would fail.
-torchrun stops the other ranks and starts them all again; ``--resume`` continues from the
-newest complete checkpoint. At the end the losses of every step and the final checkpoint's
-weights must equal the reference's, bit for bit (fp32 on CPU), and a table says what
-happened:
+``step_..._partial`` folder exists). The last kill may instead come once the last step's
+checkpoint is complete, before the run has written its outputs (summary.json): the restart
+then loads that checkpoint, trains nothing and writes them. (Other kills stop before the
+last checkpoint begins: after it no step is left for them.) torchrun stops the other ranks
+and starts them all again; ``--resume`` continues from the newest complete checkpoint. At
+the end the losses of every step, the final checkpoint's weights and the summary's final
+loss must equal the reference's, bit for bit (fp32 on CPU), and a table says what happened:
 
     kill  after  rank  during      resumed at  steps re-run
     ...
@@ -144,7 +145,7 @@ def chaos(a) -> dict:
     kills, gone = [], set()  # the pids of the attempts already killed
     try:
         for i in range(a.kills):
-            during = rng.choice(["step", "checkpoint"])
+            during = rng.choice(["step", "checkpoint"] + (["end"] if i == a.kills - 1 else []))
             rank = rng.randrange(a.nproc)
             # Attempt i has started: all its workers are up and rank 0 has said where it starts
             while time.monotonic() < deadline and job.poll() is None:
@@ -159,17 +160,31 @@ def chaos(a) -> dict:
             # Let it train a random number of steps (1 to two checkpoints' worth), then a moment more
             step = STARTS.findall((out / "killed.log").read_text())[-1]
             until = (int(step) + 1 if step else 0) + rng.randint(1, 2 * a.ckpt_every)
+            pause = rng.uniform(0.0, 0.05)
+            if during == "end":  # the last checkpoint is complete and summary.json not yet written
+                live, final = workers(job.pid), run / "checkpoints" / f"step_{a.steps - 1:08d}"
+                writing = final.with_name(final.name + "_partial")
+                while not (writing.exists() or final.exists()) and job.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                while not (final / "meta.json").exists() and job.poll() is None and time.monotonic() < deadline:
+                    pass  # being written: then a window of milliseconds before summary.json, so no sleep
+                if rank not in live or job.poll() is not None:
+                    break
+                os.kill(live[rank], signal.SIGKILL)
+                gone |= set(live.values())
+                kills.append({"kill": i + 1, "after_s": round(time.monotonic() - t1, 2), "rank": rank,
+                              "during": "after the outputs" if (run / "summary.json").exists() else
+                              "after the last checkpoint", "last_logged": logged_steps(run)})
+                break
             while logged_steps(run) < until and job.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.05))
+            time.sleep(pause)
             if during == "checkpoint":  # the next checkpoint being written (rank 0 makes its folder, then all ranks write)
                 while not writing_checkpoint(run, began) and job.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.001)
             live = workers(job.pid)
             if rank not in live or logged_steps(run) >= a.steps - 1 - a.ckpt_every:
-                # Not after the last checkpoint has begun: a restart from the final step has nothing
-                # left to train and refuses to start ("...nothing is left to train"), failing the job.
-                break
+                break  # the last checkpoint may begin: no step is left for this kill
             mid_write = writing_checkpoint(run, began)
             at = logged_steps(run)
             os.kill(live[rank], signal.SIGKILL)
@@ -220,7 +235,13 @@ def compare(ref: Path, run: Path, steps: int) -> tuple[bool, str]:
             for s in states]
     if flat[0].keys() != flat[1].keys() or not all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]):
         return False, "the final weights or AdamW state differ"
-    return True, f"{steps} losses and {len(flat[0])} tensors of the final checkpoint equal, bit for bit"
+    if not (run / "summary.json").exists():
+        return False, "the killed run wrote no summary.json"
+    finals = [json.loads((folder / "summary.json").read_text())["final_loss"] for folder in (ref, run)]
+    if finals[0] != finals[1]:
+        return False, f"summary.json's final loss differs: {finals[0]} vs {finals[1]}"
+    return True, (f"{steps} losses, {len(flat[0])} tensors of the final checkpoint and summary.json's final loss "
+                  f"equal, bit for bit")
 
 
 def table(res: dict) -> str:

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.measure.comm import sent_per_step
 from common.errors import UserError, main_guard
-from common.measure.memory import CATEGORIES, COLORS, STACK_ORDER, byte_unit, fmt_bytes, render
+from common.measure.memory import COLORS, byte_unit, categories, fmt_bytes, render, stack_order
 
 
 @dataclass
@@ -153,13 +153,14 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
     fig, ax = plt.subplots(figsize=(max(1.5 * len(runs) * max(1, widest / 2.5) + 2.5, 4.5), 5.2))
     base = max(m["peak_bytes"] for m in peaks[0])
     ticks, ticklabels = [], []
+    order = stack_order(*[m for p in peaks for m in p])
     for g, (r, ranks) in enumerate(zip(runs, peaks)):
         n = len(ranks)
         w = group_w / n
         xs = g + (np.arange(n) - (n - 1) / 2) * w
         bottom = np.zeros(n)
-        for cat in STACK_ORDER:
-            vals = np.array([m["at_peak"][cat] for m in ranks]) / scale
+        for cat in order:
+            vals = np.array([m["at_peak"].get(cat, 0) for m in ranks]) / scale
             ax.bar(xs, vals, bottom=bottom, color=COLORS[cat], width=w * 0.92, edgecolor="white", linewidth=0.5)
             for i, v in enumerate(vals):
                 if n == 1 and v > 0.06 * top / scale:  # label the segments big enough to hold a number
@@ -183,7 +184,7 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
     ax.set_ylabel(f"live memory at the peak ({unit})" + (", per rank" if widest > 1 else ""))
     ax.set_ylim(0, top / scale * 1.18)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in reversed(STACK_ORDER)], fontsize=8,
+    ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in reversed(order)], fontsize=8,
               loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     ax.set_title(textwrap.fill(title, 80), fontsize=10)
     fig.tight_layout()
@@ -201,7 +202,8 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
     label): the matmul and attention FLOPs of one step, recomputation included
     (common.measure.interleaved_bench.matmul_flops), shown against runs[0]'s."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    head = (["run"] + (["command"] if commands else []) + [f"{c} (MiB)" for c in CATEGORIES]
+    cats = categories(*[r.trace for r in runs])
+    head = (["run"] + (["command"] if commands else []) + [f"{c} (MiB)" for c in cats]
             + ["peak (MiB)", "peak vs baseline", "step time (ms)", "tokens/s", "step time vs baseline"]
             + (["matmul FLOPs vs baseline"] if flops else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -210,7 +212,7 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
     for i, r in enumerate(runs):
         at = r.trace["at_peak"]
         tokens_per_s = r.summary["global_batch_size"] * r.summary["seq_len"] / step_time(r)
-        cells = ([r.label] + ([f"`{commands[i]}`"] if commands else []) + [mib(at[c]) for c in CATEGORIES]
+        cells = ([r.label] + ([f"`{commands[i]}`"] if commands else []) + [mib(at.get(c, 0)) for c in cats]
                  + [f"**{mib(r.trace['peak_bytes'])}**", f"{r.trace['peak_bytes'] / base.trace['peak_bytes']:.2f}x",
                     f"{step_time(r) * 1e3:.0f}", f"{tokens_per_s:,.0f}", f"{step_time(r) / step_time(base):.2f}x"]
                  + ([f"{flops[r.label] / flops[base.label]:.2f}x"] if flops else []))

@@ -183,6 +183,12 @@ CHAPTER5 = [
     Run("05_ddp4", "step3_multi_gpu/train_ddp.py", _5, **_DP4),
     Run("05_zero1_4", "step3_multi_gpu/train_ddp.py", _5 + ["--zero1"], **_DP4),
     Run("05_fsdp4", "step3_multi_gpu/train_fsdp.py", _5, **_DP4),
+    # --ckpt-async's host copy in the memory trace: the default window (steps 1 and 2) holds the
+    # checkpoint after step 1 (--ckpt-every 2)
+    Run("05_memory_ckpt_async", "step3_multi_gpu/train_ddp.py",
+        ["--model", "small", "--steps", "4", "--global-batch-size", "8", "--seq-len", "128", "--eval-batches", "0",
+         "--ckpt-every", "2", "--ckpt-async", "--amp", "off"], nproc=2, job="05_ckpt_async",
+        figures={"05_memory_trace_ckpt_async.png": "memory_trace.png"}),
 ]
 
 # ---- float8 (step 2d) and DeepSpeed beside our ZeRO (step3_multi_gpu/deepspeed.md) ----------

@@ -10,7 +10,11 @@ it tells us when it is freed. Each storage is then put in one category:
 - activations: allocated in the forward pass and still alive when backward starts, i.e.
   what autograd kept for the backward pass;
 - other: everything else: forward temporaries, gradients of activations, optimizer
-  temporaries, communication buffers, rotary tables, the input batch.
+  temporaries, communication buffers, rotary tables, the input batch;
+- checkpoint staging, only in a run that has it: the copy of the state that
+  ``--ckpt-async`` takes at a checkpoint step inside the traced window (DCP's stager
+  makes it outside any op, so the checkpointer hands it over: ``tag``), from the copy
+  until its background write ends. It is host memory: in the trace of a CPU run only.
 
 The phase of each op is known without the training loop's help: backward ops run inside
 an autograd graph task, optimizer ops between the optimizer's step hooks, and the rest is
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import threading
 import weakref
 from pathlib import Path
 
@@ -40,9 +45,23 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "other")
+# A category a run has only if it has the thing: its key is absent from the traces (and
+# figures) of every other run, which therefore stay as they were.
+STAGING = "checkpoint staging"
+EXTRA_CATEGORIES = (STAGING,)
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
-          "activations": "#C44E52", "other": "#8C8C8C"}
+          "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#8172B3"}
 STACK_ORDER = ("parameters", "optimizer state", "gradients", "activations", "other")  # persistent at the bottom
+
+
+def categories(*traces) -> tuple[str, ...]:
+    """The categories these traces hold: the five, then any extra one some trace has."""
+    return CATEGORIES + tuple(c for c in EXTRA_CATEGORIES if any(c in t.get("at_peak", {}) for t in traces))
+
+
+def stack_order(*traces) -> tuple[str, ...]:
+    """STACK_ORDER, then the extra categories these traces hold (on top)."""
+    return STACK_ORDER + categories(*traces)[len(CATEGORIES):]
 PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "optimizer": "#404040"}
 _SCANNED = CATEGORIES[:3]  # categories found by walking the model and the optimizer
 
@@ -128,6 +147,11 @@ class MemoryTracer:
         self._cuda_history = False
         self._cuda_snapshot = None
         self._until_done = []
+        # A checkpoint's host copy freed by its writer thread: the recording thread takes the
+        # free at its next event. (Other frees are recorded where they happen, as always: on
+        # CUDA, backward's in autograd's device thread, which is then the one recording.)
+        self._thread = threading.main_thread()
+        self._freed_elsewhere: list = []
 
     # ---- what the training loop calls -------------------------------------------------
     def will_record(self, step: int) -> bool:
@@ -161,6 +185,20 @@ class MemoryTracer:
                     if follow_resizes:
                         self._watched[self._key(t)] = (weakref.ref(t.untyped_storage()), category)
 
+    def staged(self, tensors):
+        """The host copy a background checkpoint took of the state (``--ckpt-async``):
+        counted as "checkpoint staging" from now until it is freed, if recording. One copy,
+        one event: every tensor of it enters at the same point of the timeline."""
+        self._take_frees()
+        if not self.active:
+            return
+        at = self._t
+        for t in _plain_tensors(tensors):
+            rec = self._track(t)
+            if rec is not None and rec.alloc >= at:  # (new: not a storage seen before)
+                rec.category, rec.alloc = STAGING, at
+        self._t = at + 1 if self._t > at else at
+
     def watch(self, tensors, category: str):
         """Like ``tag``, and keep following the storages' size (see the class notes)."""
         self.tag(tensors, category, follow_resizes=True)
@@ -192,6 +230,7 @@ class MemoryTracer:
         self._mode = _Mode(self)
 
     def _end(self):
+        self._take_frees()
         self.active = False
         for h in self._hooks + self._until_done:
             h.remove()
@@ -282,8 +321,26 @@ class MemoryTracer:
                 self._records.append(rec)
 
     def _on_dead(self, key):
+        rec = self._live.get(key)
+        if rec is not None and rec.category == STAGING and threading.current_thread() is not self._thread:
+            self._freed_elsewhere.append(key)  # (list.append is atomic; the counters are not)
+            return
         self._watched.pop(key, None)  # its address may be reused by another storage
         self._on_free(key)
+
+    def _take_frees(self):
+        """The frees another thread made since the last event, as one event (a write's end
+        drops its whole copy at once)."""
+        if not self._freed_elsewhere:
+            return
+        at, freed = self._t, False
+        while self._freed_elsewhere:
+            key = self._freed_elsewhere.pop(0)
+            self._watched.pop(key, None)
+            rec = self._live.pop(key, None)
+            if rec is not None and self.active:
+                rec.free, freed = at, True
+        self._t = at + 1 if freed else at
 
     def _on_free(self, key):
         rec = self._live.pop(key, None)
@@ -317,6 +374,8 @@ class MemoryTracer:
         self.phases.append((self._t, phase))  # None: between steps
 
     def _on_op(self, out, inputs=()):
+        if self._freed_elsewhere:
+            self._take_frees()
         tensors = list(_plain_tensors(out))
         if not tensors:  # profiler markers and the like: no memory, no phase change
             return
@@ -341,10 +400,11 @@ class MemoryTracer:
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
         n = end + 1
-        deltas = np.zeros((len(CATEGORIES), n + 1), dtype=np.int64)
+        cats = CATEGORIES + tuple(c for c in EXTRA_CATEGORIES if any(r.category == c for r in self._records))
+        deltas = np.zeros((len(cats), n + 1), dtype=np.int64)
         for rec in self._records:
             cat = rec.category or ("activations" if rec.activation else "other")
-            i = CATEGORIES.index(cat)
+            i = cats.index(cat)
             deltas[i, rec.alloc] += rec.nbytes
             if rec.free is not None:
                 deltas[i, rec.free] -= rec.nbytes
@@ -359,14 +419,14 @@ class MemoryTracer:
             "events": n,
             "peak_bytes": int(total[peak_at]),
             "peak_event": peak_at,
-            "at_peak": {c: int(live[i, peak_at]) for i, c in enumerate(CATEGORIES)},
-            "peak_by_category": {c: int(live[i].max()) for i, c in enumerate(CATEGORIES)},
+            "at_peak": {c: int(live[i, peak_at]) for i, c in enumerate(cats)},
+            "peak_by_category": {c: int(live[i].max()) for i, c in enumerate(cats)},
             "before_optimizer": None if before_opt is None else
-            {c: int(live[i, before_opt]) for i, c in enumerate(CATEGORIES)},
+            {c: int(live[i, before_opt]) for i, c in enumerate(cats)},
             "allocator_peak_bytes": allocator_peak,
             "phases": self.phases,
             "steps": self.step_marks,
-            "series": _downsample(live, peak_at),
+            "series": _downsample(live, peak_at, cats),
         }
 
     # ---- output -------------------------------------------------------------------------
@@ -401,7 +461,7 @@ class MemoryTracer:
         return gathered
 
 
-def _downsample(live: np.ndarray, peak_at: int, max_points: int = 3000) -> dict:
+def _downsample(live: np.ndarray, peak_at: int, cats=CATEGORIES, max_points: int = 3000) -> dict:
     """At most max_points events, keeping each bucket's highest point and the peak."""
     n = live.shape[1]
     if n <= max_points:
@@ -411,7 +471,7 @@ def _downsample(live: np.ndarray, peak_at: int, max_points: int = 3000) -> dict:
         edges = np.linspace(0, n, max_points + 1).astype(int)
         idx = np.array([a + int(total[a:b].argmax()) for a, b in zip(edges[:-1], edges[1:]) if b > a])
         idx = np.union1d(np.union1d(idx, [0, n - 1]), [peak_at])
-    return {"event": idx.tolist(), **{c: live[i, idx].tolist() for i, c in enumerate(CATEGORIES)}}
+    return {"event": idx.tolist(), **{c: live[i, idx].tolist() for i, c in enumerate(cats)}}
 
 
 def byte_unit(n: float) -> tuple[int, str]:
@@ -441,18 +501,19 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
     from matplotlib.patches import Patch
 
     peak = max([t["peak_bytes"] for t in traces] + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
+    order = stack_order(*traces)
     top = ymax or peak
     scale, unit = byte_unit(top)
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
     for ax, t in zip(axes[:, 0], traces):
         s = t["series"]
         x = np.asarray(s["event"])
-        ys = [np.asarray(s[c]) / scale for c in STACK_ORDER]
-        ax.stackplot(x, ys, colors=[COLORS[c] for c in STACK_ORDER], step="post", linewidth=0)
+        ys = [np.asarray(s.get(c, np.zeros(len(x)))) / scale for c in order]
+        ax.stackplot(x, ys, colors=[COLORS[c] for c in order], step="post", linewidth=0)
         end = t["events"] - 1
         for o, ls in zip(t.get("other_ranks", ()), ("-", "--", "-.", ":") * 64):
             so = o["series"]
-            ax.plot(so["event"], np.sum([so[c] for c in CATEGORIES], axis=0) / scale, color="k", linewidth=0.9,
+            ax.plot(so["event"], np.sum([so[c] for c in categories(o)], axis=0) / scale, color="k", linewidth=0.9,
                     linestyle=ls, drawstyle="steps-post", label=f"rank {o['rank']} total", alpha=0.75)
             end = max(end, o["events"] - 1)
         if t.get("other_ranks"):
@@ -482,8 +543,8 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None):
         label = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
         ax.set_title(label, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("allocation / free events")
-    handles = [Patch(color=COLORS[c], label=c) for c in reversed(STACK_ORDER)]
-    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    handles = [Patch(color=COLORS[c], label=c) for c in reversed(order)]
+    fig.legend(handles=handles, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.06 if len(traces) > 1 else 0.1, 1, 0.97))
     fig.savefig(path, dpi=110)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from common.cli import saver_label
 from common.errors import UserError
 from common.measure import syncs
-from common.measure.memory import CATEGORIES, fmt_bytes
+from common.measure.memory import fmt_bytes
 from common.measure.syncs import HostCopy
 from common.model import count_params, flops_per_token
 
@@ -114,6 +114,10 @@ class Metrics:
             if start > 0 and path.exists():
                 kept = [line for line in self._read_lines(path) if json.loads(line)["step"] < start]
                 self.rows = [json.loads(line) for line in kept]
+            if start < self.args.steps:
+                # summary.json is written last, so it says "this run is complete" (--resume refuses
+                # such a run): one left by an earlier run into this --out goes now
+                (self.args.out / "summary.json").unlink(missing_ok=True)
             # The kept lines go to a new file that replaces the old one whole: a run killed right
             # after its restart (before its first row) must not leave the log truncated.
             tmp = path.with_name(path.name + ".tmp")
@@ -129,6 +133,12 @@ class Metrics:
                 self._tb = self._tb_class(log_dir=str(folder))
                 for row in self.rows:
                     self._scalars(row)
+        logged = self.rows
+        if start >= self.args.steps and not self.ctx.is_main:  # every rank: they must agree on val_loss
+            logged = [json.loads(line) for line in self._read_lines(self.args.out / "metrics.jsonl")]
+        if logged:  # a run resumed after its last step (only its outputs to write): what it had logged
+            self.last_loss = logged[-1]["loss"]
+            self.last_val = next(((r["step"], r["val_loss"]) for r in reversed(logged) if "val_loss" in r), None)
         self.bar = tqdm(range(start, self.args.steps), disable=not self.ctx.is_main, desc=self.args.script,
                         unit="step", dynamic_ncols=True, initial=start, total=self.args.steps)
         self._start()
@@ -317,7 +327,7 @@ class Metrics:
         for m in s["memory"]:
             who = f"rank {m['rank']} " if len(s["memory"]) > 1 else ""
             lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])} = " + " + ".join(
-                f"{c} {fmt_bytes(m['at_peak'][c])}" for c in CATEGORIES if m["at_peak"][c])))
+                f"{c} {fmt_bytes(b)}" for c, b in m["at_peak"].items() if b)))
             if m["allocator_peak_bytes"]:
                 lines.append((f"{who}CUDA allocator peak", fmt_bytes(m["allocator_peak_bytes"])))
         width = max(len(k) for k, _ in lines)

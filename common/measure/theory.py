@@ -208,6 +208,10 @@ def model_state(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shar
                   rank % s, adam_step_bytes)  # HSDP: ranks are (replicate, shard), shard index fastest
 
 
+STAGING = "checkpoint staging"  # common/measure/memory.py's name for it
+STAGING_STRATEGIES = DP_STRATEGIES  # the data-parallel family: ckpt_staging_bytes knows its state
+
+
 def ckpt_staging_bytes(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shard: int | None = None) -> int:
     """--ckpt-async: the host memory one rank's checkpoint copy takes while it is written.
 
@@ -216,7 +220,8 @@ def ckpt_staging_bytes(strategy: str, cfg: ModelConfig, world: int, rank: int = 
     holds (moments and 4-byte step counts). Under DDP that is 12N + 4 bytes per parameter
     tensor on *every* rank, although the files hold one copy (each replica writes a part).
     On a GPU this is host memory beside the GPU's; on a CPU it is a second copy of the state
-    in the same memory, alive from one checkpoint step until its write ends."""
+    in the same memory, alive from one checkpoint step until its write ends, which the memory
+    trace counts as "checkpoint staging" (tests/test_checkpoint.py: exactly these bytes)."""
     strategy = ALIASES.get(strategy, strategy)
     kind = "fsdp" if strategy.startswith(("fsdp", "hsdp")) else strategy
     s = shard or world
@@ -697,6 +702,12 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
                 else m["peak_by_category"][c]
             row[f"measured {c}"] = seen
             cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
+        if m is not None and STAGING in m["peak_by_category"] and plan.strategy in STAGING_STRATEGIES:
+            # --ckpt-async's host copy, traced where a checkpoint step fell in the window (CPU runs)
+            want, seen = ckpt_staging_bytes(plan.strategy, plan.cfg, plan.world, r, plan.shard), \
+                m["peak_by_category"][STAGING]
+            row |= {STAGING: want, f"measured {STAGING}": seen}
+            cells.append(f"{STAGING} {fmt_bytes(want)} vs {fmt_bytes(seen)} ({seen / want:.3f})")
         # the whole step's peak, and when the formulas put it (on CUDA the allocator's own peak
         # is the number to hold them to; the tracer counts the same tensors within 0.2%)
         seen = m and (m.get("allocator_peak_bytes") or m["peak_bytes"])
