@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import inspect
 import json
 import logging
 import math
@@ -594,11 +595,11 @@ def _stager(on_staged):
     """DCP's default stager for async_save (a plain copy to host memory, made before
     async_save returns), which also hands the copy to ``on_staged`` (the memory tracer's
     "checkpoint staging"). None where this torch has no such class: async_save's own then."""
-    if on_staged is None:
+    if on_staged is None or "async_stager" not in inspect.signature(dcp.async_save).parameters:
         return None
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
+    except ImportError:  # an older torch (the GPU machines run 2.11): async_save's own stager, untraced
         return None
 
     class Stager(DefaultStager):
