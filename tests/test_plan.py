@@ -223,3 +223,16 @@ def test_zero1_broadcasts_as_one_all_gather():
     assert bc.exposed == bc.time == pytest.approx(1e-3 + 0.75 * 4 * n / (10 * GB))
     # and ZeRO-1's AdamW updates a quarter of the parameters
     assert t["optimizer"] == pytest.approx(32 * n / 4 / (100 * GB))
+
+
+def test_calibrated_optimizer_seconds_per_parameter():
+    """A calibrated CPU times clipping + AdamW + zeroing: seconds a parameter x the parameters
+    this rank updates (all under DDP, 1/W under ZeRO-1), instead of 32 bytes over memory."""
+    from dataclasses import replace
+    cfg = get_config("small")
+    m = replace(cpu_machine(ranks=4, units=4), adamw_s_per_param=1e-8)
+    n = count_params(cfg)
+    ddp = step_time(Plan(cfg, "ddp", world=4, batch=4, seq_len=128, dtype="fp32"), m)
+    zero1 = step_time(Plan(cfg, "zero1", world=4, batch=4, seq_len=128, dtype="fp32"), m)
+    assert ddp["optimizer"] == pytest.approx(n * 1e-8)
+    assert zero1["optimizer"] == pytest.approx(n / 4 * 1e-8)

@@ -3,14 +3,17 @@
     python -m tools.bench_plan
     python -m tools.bench_plan --ranks 2 --model small --seq-len 256 --global-batch-size 16 --steps 8
 
-For each rank count, one torchrun job (tools/multirun.py) trains DDP, ZeRO-1, FSDP, TP, PP
-(1F1B) and 2-D for a few steps with the real step-3 scripts, and calibrates this machine right
-before each (``python -m tools.plan --calibrate``'s worker: every rank's matmul rate at once,
-memory bandwidth, the all-reduce's bandwidth and latency over gloo with the communication
-lab's code); the runs' metrics.jsonl give the measured step time (the fastest step after
-the first two: like the calibration's timings, since on a shared machine noise only adds time). Printed: predicted and measured milliseconds, their
-ratio, the predicted terms, and the Spearman rank correlation of the two orders (the target:
-every layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
+For each rank count, one torchrun job (tools/multirun.py) calibrates this machine
+(``python -m tools.plan --calibrate``'s worker: our model's block, forward and backward, timed at
+every layout's per-rank shape (tp-way narrow heads and MLP, a micro-batch's sequences) on one
+core while the other cores time too, each timing repeated and its median kept; memory
+bandwidth; the all-reduce's bandwidth and latency over gloo with the communication lab's code,
+every rank at once), then trains DDP, ZeRO-1, FSDP, TP, PP (1F1B) and 2-D for a few steps with
+the real step-3 scripts, then calibrates again: the model uses the mean of the two, and the
+table says how far they drifted apart. Measured: the median of each run's steps after the
+first two (metrics.jsonl). Printed: predicted and measured milliseconds, their ratio, the
+predicted terms, and the Spearman rank correlation of the two orders (the target: every
+layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
 
 A benchmark, not a test: on a shared machine other processes slow the runs (and the
 calibration) by different amounts; read the ratios with that in mind.
@@ -113,10 +116,11 @@ def machine_of(cals: list[Path]):
     def mean(xs):
         return sum(xs) / len(xs)
     rates = {k: mean([m.shape_rates[k] for m in ms]) for k in ms[0].shape_rates}
-    spread = {k: (min(c["shapes_flops"][k]["max"] for c in cs), max(c["shapes_flops"][k]["min"] for c in cs))
-              for k in rates}  # FLOP/s: the slowest repeat gives the lowest rate
+    spread = {k: (min(c["shapes_flops"][k]["min"] for c in cs), max(c["shapes_flops"][k]["max"] for c in cs))
+              for k in rates}  # FLOP/s: the lowest and the highest of every repeat
     link = Link(mean([m.intra.bandwidth for m in ms]), mean([m.intra.latency for m in ms]), ms[0].intra.source)
     m = replace(ms[0], shape_rates=rates, intra=link, inter=link, hbm=mean([m.hbm for m in ms]),
+                adamw_s_per_param=mean([m.adamw_s_per_param for m in ms]),
                 calibrated_rate={k: mean([m.calibrated_rate[k] for m in ms]) for k in ms[0].calibrated_rate})
     drift = {k: ms[1].shape_rates[k] / ms[0].shape_rates[k] for k in rates}
     return m, spread, drift
@@ -154,6 +158,7 @@ def main(argv=None):
         notes.append(f"{world} ranks on {machine.units} cores: " + "; ".join(
             f"{k}: {machine.shape_rates[k] / 1e9:.1f} GFLOP/s (repeats {spread[k][0] / 1e9:.1f}-"
             f"{spread[k][1] / 1e9:.1f}, after/before {drift[k]:.2f})" for k in sorted(machine.shape_rates))
+            + f"; AdamW (with clipping, zeroing) {machine.adamw_s_per_param * 1e9:.1f} ns a parameter"
             + f"; all-reduce busbw {machine.intra.bandwidth / 1e9:.2f} GB/s, latency {machine.intra.latency * 1e6:,.0f} us")
         print("  " + notes[-1], flush=True)
         for (name, _, _, _), plan, s in zip(layouts(world), ps, seconds):

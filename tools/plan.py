@@ -406,7 +406,8 @@ def calibrate_worker(args) -> None:
                 loss.backward()
             t = timed(step)
             flops = x.numel() * (layer_flops(one, args.seq_len) + head_flops(one)) / tp
-            return {k: flops / v for k, v in t.items()}
+            # rates: the median, the lowest (the slowest repeat) and the highest
+            return {"median": flops / t["median"], "min": flops / t["max"], "max": flops / t["min"]}
 
         seqs = max(1, (args.global_batch_size or ctx.world_size) // ctx.world_size)
         tokens = seqs * args.seq_len
@@ -419,6 +420,21 @@ def calibrate_worker(args) -> None:
             peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / timed(lambda: a @ b)["median"]
         for tp, n in json.loads(args.shapes or "[]"):
             shapes[shape_key("fp32", tp, n)] = block_rate("fp32", tp, n)
+        # the optimizer as the scripts run it (common/training.py's AdamW options): clipping,
+        # the step and zeroing the gradients, on our whole model's parameters
+        from common.training import adamw_options
+        full = build_model(cfg, dev)
+        params = list(full.parameters())
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.AdamW(params, **adamw_options(argparse.Namespace(lr=3e-4)))
+
+        def optimizer_step():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        adamw_s = timed(optimizer_step)["median"] / sum(q.numel() for q in params)
+        del full, params, opt
         x = torch.empty(2**24, device=dev)  # 64 MiB: a copy reads and writes it
         y = torch.empty_like(x)
         memory_bps = 2 * x.nbytes / timed(lambda: y.copy_(x))["median"]
@@ -434,6 +450,7 @@ def calibrate_worker(args) -> None:
                  "units": units if dev.type == "cpu" else 0,
                  "date": datetime.date.today().isoformat(), "matmul_flops": rates, "bare_matmul_flops": peaks,
                  "shapes_flops": shapes, "repeats": args.repeats, "memory_Bps": memory_bps,
+                 "adamw_s_per_param": adamw_s if dev.type == "cpu" else 0.0,
                  "memory_gib": total / ctx.world_size / GiB, "latency_s": rows[0]["time_s"],
                  "bandwidth_Bps": max(r["busbw_GBps"] for r in rows) * 1e9,
                  "shapes": f"({tokens} x {cfg.dim}) @ ({cfg.dim} x {cfg.ffn_dim})", "all_reduce": rows}

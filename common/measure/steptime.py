@@ -25,7 +25,9 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                bytes are theory.py's), less what hides under compute, as the scripts do it:
                  DDP: the buckets all-reduce during backward; the last one (the embedding's
                    gradient, ready last) waits: exposed = its time, plus what does not fit
-                   under backward. ZeRO-1 adds the parameter broadcast after the step.
+                   under backward. ZeRO-1 adds the parameters' broadcast after the step:
+                   issued asynchronously, one parameter at a time from its owner, and waited
+                   for together: an all-gather's bytes and one latency, all exposed.
                  FSDP: each block's all-gather is prefetched during the previous block; the
                    first (the root unit and block 0) and the root's reduce-scatter at the end
                    of backward are exposed, plus whatever does not fit under compute.
@@ -41,7 +43,25 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B): idle = busy x b / (1 - b).
   optimizer    AdamW is memory-bound: per parameter this rank updates, clipping reads the
                gradient (4 bytes), AdamW reads weight, gradient and both moments and writes
-               weight and moments (28): 32 bytes over HBM bandwidth.
+               weight and moments (28): 32 bytes over HBM bandwidth. A calibrated CPU times
+               it instead (clipping, AdamW's step and zeroing the gradients on our model's
+               parameters): seconds a parameter, times the parameters this rank updates.
+
+  waiting for a core
+               only where ranks outnumber the node's compute units (4 ranks on 2 CPU cores;
+               a GPU is one unit, so never on a GPU description): while every rank computes,
+               each gets units/ranks of a unit, so its own work (compute, recompute,
+               optimizer) costs ranks/units as long. A rank that waits gives its unit away:
+               a pipeline's schedule is played with the units shared among the ranks that
+               have work (pp.py:simulate_shared), and its bubble is only what that sharing
+               cannot fill.
+
+On a calibrated CPU (``--calibrate``), three more things are measured rather than assumed:
+the rate is our block's own (matmuls, attention, norms and the rest, forward and backward)
+timed at the shape each layout runs per rank (tp-way narrow heads and MLP, a micro-batch's
+sequences: ``rank_shape``), on one core with the other cores busy; gloo's collectives run on
+the cores that compute, so nothing overlaps anything (``Machine.overlap``); and the cores a
+node has (``Machine.units_per_node``). On the GPU descriptions all three stay as they were.
 
 What the model leaves out (the page says it too): kernel launch gaps and the harness's
 own time (folded into the achieved fraction), communication slowing the compute it
@@ -105,6 +125,8 @@ class Machine:
     #                                them on the cores that compute, so nothing hides under anything
     shape_rates: dict = field(default_factory=dict)  # shape_key(dtype, tp, seqs) -> FLOP/s of our
     #                                block at that shape, measured by --calibrate (one core)
+    adamw_s_per_param: float = 0.0  # clipping + AdamW + zeroing, seconds a parameter, measured by
+    #                                --calibrate (a CPU's AdamW runs a Python loop over tensors); 0: memory-bound
 
     def matmul_rate(self, dtype: str, compiled: bool = False, tp: int = 1, seqs: int | None = None) -> float:
         """FLOP/s one rank reaches on one unit: our block calibrated at this rank's shape (``tp``-way
@@ -181,7 +203,8 @@ def load_calibration(path: str | Path) -> Machine:
                    c["memory_Bps"], c["memory_gib"], link, link, gpus_per_node=c["world_size"],
                    source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]),
                    units_per_node=c.get("units", 0), overlap=c["backend"] != "gloo",
-                   shape_rates={k: v["median"] for k, v in c.get("shapes_flops", {}).items()})
+                   shape_rates={k: v["median"] for k, v in c.get("shapes_flops", {}).items()},
+                   adamw_s_per_param=c.get("adamw_s_per_param", 0.0))
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -376,7 +399,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
 
     # the optimizer: the parameters this rank updates (theory.py's shards)
     updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
-    optimizer = updated * ADAMW_BYTES_PER_PARAM / machine.hbm
+    optimizer = updated * (machine.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / machine.hbm)
 
     # More ranks on a node than compute units (4 ranks on 2 CPU cores): the ranks take turns.
     # Everything above runs at one unit's rate; while all ranks compute, each gets units/ranks
