@@ -236,3 +236,20 @@ def test_calibrated_optimizer_seconds_per_parameter():
     zero1 = step_time(Plan(cfg, "zero1", world=4, batch=4, seq_len=128, dtype="fp32"), m)
     assert ddp["optimizer"] == pytest.approx(n * 1e-8)
     assert zero1["optimizer"] == pytest.approx(n / 4 * 1e-8)
+
+
+def test_dtensor_dispatch_by_hand():
+    """A calibrated CPU's DTensor work under TP: seconds a block x the blocks x micro-batches;
+    none without TP, none on a GPU description (0 there)."""
+    from dataclasses import replace
+    cfg = get_config("small")  # 4 layers
+    m = replace(cpu_machine(ranks=4, units=4), dtensor_s_per_block=0.01)
+    tp = step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), m)
+    assert tp["DTensor dispatch"] == pytest.approx(4 * 0.01)
+    two_d = step_time(Plan(cfg, "2d", world=4, tp=2, batch=8, seq_len=64, dtype="fp32", accum=2), m)
+    assert two_d["DTensor dispatch"] == pytest.approx(4 * 0.01 * 2)  # two micro-batches a step
+    assert step_time(Plan(cfg, "ddp", world=4, batch=8, seq_len=64, dtype="fp32"), m)["DTensor dispatch"] == 0
+    assert step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), toy_machine())["DTensor dispatch"] == 0
+    # on 4 ranks sharing 2 cores, it is the rank's own work too: shared like compute
+    shared = step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), replace(m, units_per_node=2))
+    assert shared["waiting for a core"] == pytest.approx(shared["compute"] + shared["optimizer"] + 0.04)

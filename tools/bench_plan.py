@@ -121,6 +121,7 @@ def machine_of(cals: list[Path]):
     link = Link(mean([m.intra.bandwidth for m in ms]), mean([m.intra.latency for m in ms]), ms[0].intra.source)
     m = replace(ms[0], shape_rates=rates, intra=link, inter=link, hbm=mean([m.hbm for m in ms]),
                 adamw_s_per_param=mean([m.adamw_s_per_param for m in ms]),
+                dtensor_s_per_block=mean([m.dtensor_s_per_block for m in ms]),
                 calibrated_rate={k: mean([m.calibrated_rate[k] for m in ms]) for k in ms[0].calibrated_rate})
     drift = {k: ms[1].shape_rates[k] / ms[0].shape_rates[k] for k in rates}
     return m, spread, drift
@@ -159,6 +160,7 @@ def main(argv=None):
             f"{k}: {machine.shape_rates[k] / 1e9:.1f} GFLOP/s (repeats {spread[k][0] / 1e9:.1f}-"
             f"{spread[k][1] / 1e9:.1f}, after/before {drift[k]:.2f})" for k in sorted(machine.shape_rates))
             + f"; AdamW (with clipping, zeroing) {machine.adamw_s_per_param * 1e9:.1f} ns a parameter"
+            + f"; DTensor {machine.dtensor_s_per_block * 1e3:.1f} ms a block"
             + f"; all-reduce busbw {machine.intra.bandwidth / 1e9:.2f} GB/s, latency {machine.intra.latency * 1e6:,.0f} us")
         print("  " + notes[-1], flush=True)
         for (name, _, _, _), plan, s in zip(layouts(world), ps, seconds):

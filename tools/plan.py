@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: find common/
 
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.steptime import GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
+from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
 from tools.estimate import HEADROOM_GIB, check_layouts, label, model_config, worst_rank  # noqa: E402
@@ -225,7 +225,7 @@ def evaluate(ps: list[Plan], machine: Machine, compiled: bool, headroom: float) 
 
 def table(rows: list[dict]) -> str:
     # the CPU's term (ranks outnumbering cores) gets a column only where some row has it
-    terms = TERMS + ((SHARED,) if any(r["time"][SHARED] for r in rows) else ())
+    terms = TERMS + tuple(k for k in (DISPATCH, SHARED) if any(r["time"][k] for r in rows))
     head = "| # | layout | peak GiB | step ms | " + " | ".join(terms) + " | tokens/s | per GPU | MFU |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(rows, 1):
@@ -420,6 +420,26 @@ def calibrate_worker(args) -> None:
             peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / timed(lambda: a @ b)["median"]
         for tp, n in json.loads(args.shapes or "[]"):
             shapes[shape_key("fp32", tp, n)] = block_rate("fp32", tp, n)
+        # DTensor's own work: our whole model, forward and backward of one sequence, plain and
+        # with tensor parallelism applied over a mesh of this rank alone (every op dispatched
+        # through DTensor, its collectives over one rank: nothing), the difference a block
+        from common.parallelize.tp import apply_tp
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import loss_parallel
+        alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+        seq = torch.randint(0, cfg.vocab_size, (1, args.seq_len), device=dev)
+
+        def fwd_bwd(model, context):
+            def go():
+                with context():
+                    F.cross_entropy(model(seq).flatten(0, 1).float(), seq.flatten()).backward()
+            return go
+        import contextlib
+        plain = timed(fwd_bwd(build_model(cfg, dev), contextlib.nullcontext))["median"]
+        dmodel = build_model(cfg, dev)
+        apply_tp(dmodel, DeviceMesh.from_group(alone, dev.type))
+        dtensor_s = max(0.0, timed(fwd_bwd(dmodel, loss_parallel))["median"] - plain) / cfg.n_layers
+        del dmodel
         # the optimizer as the scripts run it (common/training.py's AdamW options): clipping,
         # the step and zeroing the gradients, on our whole model's parameters
         from common.training import adamw_options
@@ -451,6 +471,7 @@ def calibrate_worker(args) -> None:
                  "date": datetime.date.today().isoformat(), "matmul_flops": rates, "bare_matmul_flops": peaks,
                  "shapes_flops": shapes, "repeats": args.repeats, "memory_Bps": memory_bps,
                  "adamw_s_per_param": adamw_s if dev.type == "cpu" else 0.0,
+                 "dtensor_s_per_block": dtensor_s if dev.type == "cpu" else 0.0,
                  "memory_gib": total / ctx.world_size / GiB, "latency_s": rows[0]["time_s"],
                  "bandwidth_Bps": max(r["busbw_GBps"] for r in rows) * 1e9,
                  "shapes": f"({tokens} x {cfg.dim}) @ ({cfg.dim} x {cfg.ffn_dim})", "all_reduce": rows}

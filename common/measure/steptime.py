@@ -47,6 +47,11 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                it instead (clipping, AdamW's step and zeroing the gradients on our model's
                parameters): seconds a parameter, times the parameters this rank updates.
 
+  DTensor dispatch
+               only on a calibrated CPU, under TP: DTensor's own work on every call (finding
+               each op's sharding, wrapping and unwrapping), measured as our model's forward
+               and backward with TP applied over one rank minus without, a block, times the
+               blocks and micro-batches a rank runs. On a GPU it runs ahead of the kernels.
   waiting for a core
                only where ranks outnumber the node's compute units (4 ranks on 2 CPU cores;
                a GPU is one unit, so never on a GPU description): while every rank computes,
@@ -127,6 +132,9 @@ class Machine:
     #                                block at that shape, measured by --calibrate (one core)
     adamw_s_per_param: float = 0.0  # clipping + AdamW + zeroing, seconds a parameter, measured by
     #                                --calibrate (a CPU's AdamW runs a Python loop over tensors); 0: memory-bound
+    dtensor_s_per_block: float = 0.0  # DTensor's dispatch under TP, seconds a block's forward + backward
+    #                                of one micro-batch, measured by --calibrate; 0 on a GPU (hidden
+    #                                behind the kernels it launches, and folded into the achieved fraction)
 
     def matmul_rate(self, dtype: str, compiled: bool = False, tp: int = 1, seqs: int | None = None) -> float:
         """FLOP/s one rank reaches on one unit: our block calibrated at this rank's shape (``tp``-way
@@ -204,7 +212,8 @@ def load_calibration(path: str | Path) -> Machine:
                    source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]),
                    units_per_node=c.get("units", 0), overlap=c["backend"] != "gloo",
                    shape_rates={k: v["median"] for k, v in c.get("shapes_flops", {}).items()},
-                   adamw_s_per_param=c.get("adamw_s_per_param", 0.0))
+                   adamw_s_per_param=c.get("adamw_s_per_param", 0.0),
+                   dtensor_s_per_block=c.get("dtensor_s_per_block", 0.0))
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -408,21 +417,24 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     # left of a schedule played with the units shared among the ranks that have work
     # (common/parallelize/pp.py:simulate_shared), beyond the shared work itself. With ranks
     # <= units (every GPU description) this term is 0 and the bubble is the formula's.
+    # DTensor's own Python on the CPU, a block's forward and backward per micro-batch
+    dispatch = machine.dtensor_s_per_block * n_layers * (m if pp > 1 else plan.accum) if tp > 1 else 0.0
+
     share = min(plan.world, machine.gpus_per_node) / machine.units
     waiting = 0.0
     if share > 1:
         busy = compute + recompute
-        waiting = (busy + optimizer) * (share - 1)
+        waiting = (busy + optimizer + dispatch) * (share - 1)
         if pp > 1:
             from common.parallelize.pp import simulate_shared
             span = simulate_shared(plan.schedule, pp, m, compute / 3 / m, (2 * compute / 3 + recompute) / m,
                                    units=machine.units * pp / min(plan.world, machine.gpus_per_node))
             bubble = max(0.0, span - busy * share)
 
-    step = compute + recompute + exposed + bubble + optimizer + waiting
+    step = compute + recompute + exposed + bubble + optimizer + dispatch + waiting
     tokens = plan.batch * plan.seq_len
     return {"compute": compute, "recompute": recompute, "exposed communication": exposed, "bubble": bubble,
-            "optimizer": optimizer, "waiting for a core": waiting, "step": step, "comm": comms, "tokens_per_s": tokens / step,
+            "optimizer": optimizer, DISPATCH: dispatch, SHARED: waiting, "step": step, "comm": comms, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
             # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached),
             # and against the rate assumed (how much of the reachable the layout keeps)
@@ -432,8 +444,9 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
 
 
 TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
-SHARED = "waiting for a core"  # only where ranks outnumber compute units (a CPU): see step_time
-ALL_TERMS = (*TERMS, SHARED)
+# Only on a calibrated CPU: DTensor's per-call work under TP, and ranks outnumbering cores (see step_time)
+DISPATCH, SHARED = "DTensor dispatch", "waiting for a core"
+ALL_TERMS = (*TERMS, DISPATCH, SHARED)
 
 
 def explain(t: dict) -> str:
