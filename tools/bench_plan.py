@@ -145,6 +145,8 @@ def main(argv=None):
         worlds = []
     if not worlds or min(worlds) < 2:
         raise UserError(f"--ranks {args.ranks!r}: give comma-separated rank counts of 2 or more, e.g. 2,4.")
+    if args.repeats < 3:
+        raise UserError(f"--repeats must be at least 3 (a median of fewer says little; got {args.repeats}).")
     if args.steps < 4:
         raise UserError(f"--steps must be at least 4 (the first two are warm-up; got {args.steps}).")
     from common.measure.steptime import rank_shape, shape_key
