@@ -26,11 +26,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import UserError, main_guard  # noqa: E402
+from common.measure.cpuload import OtherLoad  # noqa: E402
 from common.measure.steptime import ALL_TERMS, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import get_config  # noqa: E402
@@ -63,6 +65,10 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def fmt_cores(c: float | None) -> str:
+    return "?" if c is None else f"{c:.1f}"
+
+
 def plans(world: int, args, cfg) -> list[Plan]:
     return [Plan(cfg, world=world, batch=args.global_batch_size, seq_len=args.seq_len, dtype="fp32", **kw)
             for _, _, _, kw in layouts(world)]
@@ -93,14 +99,22 @@ def measure(world: int, args, out: Path, shapes: list[tuple[int, int]]) -> tuple
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "tools/multirun.py", "--runs", json.dumps(runs)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        raise UserError(f"the {world}-rank job stopped: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    load = OtherLoad(proc.pid)  # the cores the machine's other processes take meanwhile
+    _, err = proc.communicate()
+    load.stop()
+    if proc.returncode:
+        raise UserError(f"the {world}-rank job stopped: {(err.strip().splitlines() or ['?'])[-1]}")
+    # each run's window: from the previous one's last write to its own (metrics.jsonl, the calibration)
+    ends = [cals[0].stat().st_mtime] + [(Path(r["argv"][-1]) / "metrics.jsonl").stat().st_mtime
+                                        for r in runs[1:-1]] + [cals[1].stat().st_mtime]
+    others = [load.cores(t0, t1) for t0, t1 in zip([start, *ends[:-1]], ends)]
     measured = []
     for run in runs[1:-1]:
         rows = [json.loads(line) for line in (Path(run["argv"][-1]) / "metrics.jsonl").read_text().splitlines()]
         measured.append(statistics.median([x["step_time_s"] for x in rows if x.get("step_time_s")][2:]))
-    return measured, cals
+    return measured, cals, others
 
 
 def machine_of(cals: list[Path]):
@@ -156,21 +170,23 @@ def main(argv=None):
     results, notes = [], []
     for world in worlds:
         ps = plans(world, args, cfg)
-        seconds, cals = measure(world, args, out, [rank_shape(p) for p in ps])
+        seconds, cals, others = measure(world, args, out, [rank_shape(p) for p in ps])
         machine, spread, drift = machine_of(cals)
-        notes.append(f"{world} ranks on {machine.units} cores: " + "; ".join(
+        notes.append(f"{world} ranks on {machine.units} cores (other processes took {fmt_cores(others[0])} cores "
+                     f"during the first calibration, {fmt_cores(others[-1])} during the second): " + "; ".join(
             f"{k}: {machine.shape_rates[k] / 1e9:.1f} GFLOP/s (repeats {spread[k][0] / 1e9:.1f}-"
             f"{spread[k][1] / 1e9:.1f}, after/before {drift[k]:.2f})" for k in sorted(machine.shape_rates))
             + f"; AdamW (with clipping, zeroing) {machine.adamw_s_per_param * 1e9:.1f} ns a parameter"
             + f"; DTensor {machine.dtensor_s_per_block * 1e3:.1f} ms a block"
             + f"; all-reduce busbw {machine.intra.bandwidth / 1e9:.2f} GB/s, latency {machine.intra.latency * 1e6:,.0f} us")
         print("  " + notes[-1], flush=True)
-        for (name, _, _, _), plan, s in zip(layouts(world), ps, seconds):
+        for (name, _, _, _), plan, s, busy in zip(layouts(world), ps, seconds, others[1:-1]):
             t = step_time(plan, machine)
             key = shape_key("fp32", *rank_shape(plan))
             results.append({"layout": name, "ranks": world, "predicted_s": t["step"], "measured_s": s,
                             "shape": key, "gflops": machine.shape_rates[key] / 1e9,
                             "busbw_GBps": machine.intra.bandwidth / 1e9, "latency_us": machine.intra.latency * 1e6,
+                            "others_cores": busy,
                             **{k: t[k] for k in ALL_TERMS}})
             print(f"  {name} on {world}: predicted {t['step'] * 1e3:,.0f} ms, measured {s * 1e3:,.0f} ms", flush=True)
     rho = spearman([r["predicted_s"] for r in results], [r["measured_s"] for r in results])
@@ -178,15 +194,17 @@ def main(argv=None):
     lines = [f"model {args.model}, batch {args.global_batch_size} x {args.seq_len}, fp32, gloo, on {cpu_name()} "
              f"({os.cpu_count()} cores, shared); each rank count calibrated before and after its layouts ran "
              f"(our block at each layout's per-rank shape, one core's rate, median of {args.repeats} repeats; "
-             f"the all-reduce's busbw and latency), the mean of the two used; measured: the median step", "",
+             f"the all-reduce's busbw and latency), the mean of the two used; measured: the median step; 'cores others took': the "
+             f"cores the machine's other processes used during each run (/proc, common/measure/cpuload.py)", "",
              "| layout | ranks | block GFLOP/s at its shape (tp, sequences) | predicted ms | measured ms | "
-             "measured / predicted | " + " | ".join(ALL_TERMS) + " |", "|" + "---|" * (6 + len(ALL_TERMS))]
+             "measured / predicted | " + " | ".join(ALL_TERMS) + " | cores others took |",
+             "|" + "---|" * (7 + len(ALL_TERMS))]
     for r in results:
         tp, seqs = r["shape"].split()[1:]
         lines.append(f"| {r['layout']} | {r['ranks']} | {r['gflops']:.1f} ({tp}, {seqs}) | "
                      f"{r['predicted_s'] * 1e3:,.0f} | {r['measured_s'] * 1e3:,.0f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | "
-                     + " | ".join(f"{r[k] * 1e3:,.0f}" for k in ALL_TERMS) + " |")
+                     + " | ".join(f"{r[k] * 1e3:,.0f}" for k in ALL_TERMS) + f" | {fmt_cores(r['others_cores'])} |")
     within = sum(abs(r["measured_s"] / r["predicted_s"] - 1) <= 0.25 for r in results)
     lines += ["", *[f"calibration, {n}" for n in notes], "",
               f"within 25%: {within} of {len(results)}; Spearman rank correlation of the orders: {rho:.2f} "
