@@ -253,3 +253,13 @@ def test_dtensor_dispatch_by_hand():
     # on 4 ranks sharing 2 cores, it is the rank's own work too: shared like compute
     shared = step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), replace(m, units_per_node=2))
     assert shared["waiting for a core"] == pytest.approx(shared["compute"] + shared["optimizer"] + 0.04)
+
+
+def test_other_processes_cores_by_hand():
+    """The bench's load column: between two samples, (machine busy - ours) / wall time."""
+    from common.measure.cpuload import OtherLoad
+    load = OtherLoad.__new__(OtherLoad)  # no sampling thread: samples given by hand
+    load.samples = [(0.0, 100.0, 10.0), (1.0, 101.5, 10.5), (2.0, 103.0, 11.0), (3.0, 103.0, 11.0)]
+    assert load.cores(0.0, 2.0) == pytest.approx(((103 - 100) - (11 - 10)) / 2)  # 1 core the others'
+    assert load.cores(2.0, 3.0) == 0.0          # nobody busy
+    assert load.cores(0.5, 0.9) is None          # fewer than two samples: unknown
