@@ -14,9 +14,11 @@ step split into compute, recompute, exposed communication, bubble and optimizer,
 MFU, and the command that runs it.
 
 ``--gpu`` describes a machine from its spec sheets (steptime.GPUS); ``--calibrate`` measures
-this one (the matmul rate with every rank busy at once, HBM bandwidth, and the collectives'
-bandwidth and latency with the communication lab's benchmark code) and saves it to
-runs/calibration.json, which ``--calibration`` then reads: the CPU can be planned for too.
+this one (our model's block rate on one compute unit, a CPU core, with the other units busy;
+the optimizer's time a parameter and DTensor's a block; memory bandwidth; and, every rank at
+once, the collectives' bandwidth and latency with the communication lab's benchmark code) and
+saves it to runs/calibration.json, which ``--calibration`` then reads: the CPU can be planned
+for too, its cores shared when the ranks outnumber them.
 ``--torchtitan`` predicts torchtitan's published Llama 3.1 8B runs and prints ours beside theirs.
 """
 from __future__ import annotations
@@ -357,6 +359,7 @@ def calibrate_worker(args) -> None:
     have work; on a GPU every rank (one per GPU) times. Each timing is repeated (--repeats) and
     the median kept, its spread (min-max over median) saved beside it. Then, every rank at once
     as the job runs them, the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
+    import contextlib
     import statistics
     import time
 
@@ -427,6 +430,8 @@ def calibrate_worker(args) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.parallel import loss_parallel
         alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+        # the whole model where it is small (a CPU's); one block of a large one (the 8b would not fit)
+        whole = cfg if count_params(cfg) <= 200e6 else get_config(args.model, n_layers=1)
         seq = torch.randint(0, cfg.vocab_size, (1, args.seq_len), device=dev)
 
         def fwd_bwd(model, context):
@@ -434,16 +439,14 @@ def calibrate_worker(args) -> None:
                 with context():
                     F.cross_entropy(model(seq).flatten(0, 1).float(), seq.flatten()).backward()
             return go
-        import contextlib
-        plain = timed(fwd_bwd(build_model(cfg, dev), contextlib.nullcontext))["median"]
-        dmodel = build_model(cfg, dev)
+        plain = timed(fwd_bwd(build_model(whole, dev), contextlib.nullcontext))["median"]
+        dmodel = build_model(whole, dev)
         apply_tp(dmodel, DeviceMesh.from_group(alone, dev.type))
-        dtensor_s = max(0.0, timed(fwd_bwd(dmodel, loss_parallel))["median"] - plain) / cfg.n_layers
-        del dmodel
+        dtensor_s = max(0.0, timed(fwd_bwd(dmodel, loss_parallel))["median"] - plain) / whole.n_layers
         # the optimizer as the scripts run it (common/training.py's AdamW options): clipping,
         # the step and zeroing the gradients, on our whole model's parameters
         from common.training import adamw_options
-        full = build_model(cfg, dev)
+        full = build_model(whole, dev)
         params = list(full.parameters())
         for q in params:
             q.grad = torch.randn_like(q)
@@ -454,11 +457,9 @@ def calibrate_worker(args) -> None:
             opt.step()
             opt.zero_grad(set_to_none=False)
         adamw_s = timed(optimizer_step)["median"] / sum(q.numel() for q in params)
-        del full, params, opt
         x = torch.empty(2**24, device=dev)  # 64 MiB: a copy reads and writes it
         y = torch.empty_like(x)
         memory_bps = 2 * x.nbytes / timed(lambda: y.copy_(x))["median"]
-        del x, y
         rows = bench_run(ctx, ["all_reduce"], message_sizes(4096, 16 * 2**20, 4), iters=10, budget_s=0.1, blocks=5)
         if ctx.is_main:
             from common.measure.metrics import cpu_name
