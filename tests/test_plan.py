@@ -135,3 +135,131 @@ def test_torchtitan_ordering():
         assert abs(r["ours"] / r["theirs"] - 1) < 0.2, r["what"]
     cp = [r["ours"] for w, r in rows.items() if w.startswith("Table 2")]
     assert len(cp) == 4 and cp == sorted(cp, reverse=True)
+
+
+# ---- the CPU's terms: ranks sharing cores, nothing overlapping, a rate per shape ---------------
+def cpu_machine(flops=1e12, bw=10 * GB, latency=0.0, ranks=2, units=1, shape_rates=None) -> Machine:
+    """toy_machine as a calibrated CPU: ``units`` cores for ``ranks`` ranks, gloo (no overlap)."""
+    from dataclasses import replace
+    return replace(toy_machine(flops, bw, latency, per_node=ranks), units_per_node=units, overlap=False,
+                   shape_rates=shape_rates or {})
+
+
+def test_processor_sharing_schedule_by_hand():
+    """1F1B on 2 ranks, 2 micro-batches, forward 1, backward 2, on ONE unit, worked by hand:
+    F(0,0) alone 0-1; F(0,1) and F(1,0) share the unit 1-3; B(1,0) alone 3-5; B(0,0) and F(1,1)
+    share 5-7 (F(1,1) done, B(0,0) has 1 left); B(0,0) and B(1,1) share 7-9 (B(0,0) done,
+    B(1,1) has 1 left); B(1,1) alone 9-10; B(0,1) alone 10-12. 12 = all the work on one unit:
+    the bubble is free. With a unit each it is simulate_schedule's (m+p-1)(f+b) = 9."""
+    from common.parallelize.pp import simulate_schedule, simulate_shared
+    assert simulate_shared("1f1b", 2, 2, 1.0, 2.0, units=1) == pytest.approx(12.0)
+    assert simulate_shared("1f1b", 2, 2, 1.0, 2.0, units=2) == pytest.approx(9.0)
+    for p, m in ((2, 4), (4, 4), (4, 8)):
+        free = simulate_schedule("1f1b", p, m)[1]
+        assert simulate_shared("1f1b", p, m, units=p) == pytest.approx(free)
+        shared = simulate_shared("1f1b", p, m, units=p / 2)
+        assert 2 * m * 3 <= shared <= 2 * free  # at least the work over the units, at most twice the free step
+    # 4 ranks, 4 micro-batches on 2 units: 27 (the work, 24, and 3 the sharing cannot fill)
+    assert simulate_shared("1f1b", 4, 4, units=2) == pytest.approx(27.0)
+
+
+def test_ranks_sharing_cores_by_hand():
+    """2 ranks on 1 core: each rank's own work (compute, optimizer) takes twice as long while
+    both work: "waiting for a core" = that work once more. 2 ranks on 2 cores: the GPU model."""
+    cfg = get_config("small")
+    p = Plan(cfg, "ddp", world=2, batch=4, seq_len=128, dtype="fp32")
+    one, two = step_time(p, cpu_machine(units=1)), step_time(p, cpu_machine(units=2))
+    assert two["waiting for a core"] == 0
+    assert one["compute"] == two["compute"] and one["optimizer"] == two["optimizer"]
+    assert one["waiting for a core"] == pytest.approx(one["compute"] + one["optimizer"])
+    # on GPUs the unit is the GPU itself: never shared
+    assert step_time(p, toy_machine(per_node=2))["waiting for a core"] == 0
+    # a pipeline on shared cores: 1F1B, 2 stages, 2 micro-batches, 1 core: the step is the
+    # schedule played on one unit (12 of 9 at f=1, b=2 above); bubble = that - the shared work
+    pp = Plan(cfg, "pp", world=2, batch=4, seq_len=128, dtype="fp32", microbatches=2, schedule="1f1b")
+    t = step_time(pp, cpu_machine(units=1))
+    busy = t["compute"]
+    assert t["waiting for a core"] == pytest.approx(busy + t["optimizer"])
+    # f + b = busy / m = busy / 2, so the 12 above (4 (f + b)) is 2 busy = busy x 2 ranks / 1 core:
+    # all of the bubble was filled by the other rank's work
+    assert t["bubble"] == pytest.approx(0.0, abs=1e-12)
+    free = step_time(pp, cpu_machine(units=2))
+    assert free["bubble"] == pytest.approx(busy * 1 / 2)  # (p-1)/(m+p-1) = 1/3 idle: busy x 1/2
+
+
+def test_gloo_hides_nothing_and_rates_per_shape():
+    """gloo runs its collectives on the cores that compute: every collective is exposed whole
+    (DDP's buckets included). A calibrated rate per shape (tp, sequences a micro-batch) replaces
+    the single rate for the layouts that run that shape."""
+    cfg = get_config("125m")
+    p = Plan(cfg, "ddp", world=4, batch=4, seq_len=256, dtype="fp32")
+    t = step_time(p, cpu_machine(flops=1e9, bw=10 * GB, latency=1e-4, ranks=4, units=4))
+    (ar,) = [c for c in t["comm"] if c.name == "all_reduce"]
+    assert ar.exposed == ar.time > 1.5 * DDP_BUCKET_BYTES / (10 * GB)  # a GPU would expose the last bucket only
+    small = get_config("small")
+    rates = {"fp32 tp=2 seqs=8": 5e11, "fp32 tp=1 seqs=4": 2.5e11}
+    m = cpu_machine(ranks=2, units=2, shape_rates=rates)
+    tp = step_time(Plan(small, "tp", world=2, batch=8, seq_len=64, dtype="fp32"), m)
+    assert tp["rate"] == 5e11
+    tokens = 8 * 64
+    assert tp["compute"] == pytest.approx(tokens * (small.n_layers * layer_flops(small, 64) + head_flops(small))
+                                          / 2 / 5e11)
+    assert step_time(Plan(small, "ddp", world=2, batch=8, seq_len=64, dtype="fp32"), m)["rate"] == 2.5e11
+    # the pipeline's micro-batch: 8 sequences over 2 micro-batches = 4 a micro-batch
+    assert step_time(Plan(small, "pp", world=2, batch=8, seq_len=64, dtype="fp32", microbatches=2), m)["rate"] == 2.5e11
+    # a shape nobody calibrated: the one rate
+    assert step_time(Plan(small, "ddp", world=2, batch=16, seq_len=64, dtype="fp32"), m)["rate"] == 1e12
+
+
+def test_zero1_broadcasts_as_one_all_gather():
+    """ZeroRedundancyOptimizer broadcasts parameter by parameter from its owner, asynchronously,
+    then waits for all: an all-gather's traffic, (n-1)/n x 4N into each rank, one latency."""
+    cfg = get_config("small")
+    m = toy_machine(bw=10 * GB, latency=1e-3)
+    t = step_time(Plan(cfg, "zero1", world=4, batch=4, seq_len=128, dtype="fp32"), m)
+    (bc,) = [c for c in t["comm"] if c.name == "broadcast"]
+    n = count_params(cfg)
+    assert bc.bytes == 4 * n
+    assert bc.exposed == bc.time == pytest.approx(1e-3 + 0.75 * 4 * n / (10 * GB))
+    # and ZeRO-1's AdamW updates a quarter of the parameters
+    assert t["optimizer"] == pytest.approx(32 * n / 4 / (100 * GB))
+
+
+def test_calibrated_optimizer_seconds_per_parameter():
+    """A calibrated CPU times clipping + AdamW + zeroing: seconds a parameter x the parameters
+    this rank updates (all under DDP, 1/W under ZeRO-1), instead of 32 bytes over memory."""
+    from dataclasses import replace
+    cfg = get_config("small")
+    m = replace(cpu_machine(ranks=4, units=4), adamw_s_per_param=1e-8)
+    n = count_params(cfg)
+    ddp = step_time(Plan(cfg, "ddp", world=4, batch=4, seq_len=128, dtype="fp32"), m)
+    zero1 = step_time(Plan(cfg, "zero1", world=4, batch=4, seq_len=128, dtype="fp32"), m)
+    assert ddp["optimizer"] == pytest.approx(n * 1e-8)
+    assert zero1["optimizer"] == pytest.approx(n / 4 * 1e-8)
+
+
+def test_dtensor_dispatch_by_hand():
+    """A calibrated CPU's DTensor work under TP: seconds a block x the blocks x micro-batches;
+    none without TP, none on a GPU description (0 there)."""
+    from dataclasses import replace
+    cfg = get_config("small")  # 4 layers
+    m = replace(cpu_machine(ranks=4, units=4), dtensor_s_per_block=0.01)
+    tp = step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), m)
+    assert tp["DTensor dispatch"] == pytest.approx(4 * 0.01)
+    two_d = step_time(Plan(cfg, "2d", world=4, tp=2, batch=8, seq_len=64, dtype="fp32", accum=2), m)
+    assert two_d["DTensor dispatch"] == pytest.approx(4 * 0.01 * 2)  # two micro-batches a step
+    assert step_time(Plan(cfg, "ddp", world=4, batch=8, seq_len=64, dtype="fp32"), m)["DTensor dispatch"] == 0
+    assert step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), toy_machine())["DTensor dispatch"] == 0
+    # on 4 ranks sharing 2 cores, it is the rank's own work too: shared like compute
+    shared = step_time(Plan(cfg, "tp", world=4, batch=8, seq_len=64, dtype="fp32"), replace(m, units_per_node=2))
+    assert shared["waiting for a core"] == pytest.approx(shared["compute"] + shared["optimizer"] + 0.04)
+
+
+def test_other_processes_cores_by_hand():
+    """The bench's load column: between two samples, (machine busy - ours) / wall time."""
+    from common.measure.cpuload import OtherLoad
+    load = OtherLoad.__new__(OtherLoad)  # no sampling thread: samples given by hand
+    load.samples = [(0.0, 100.0, 10.0), (1.0, 101.5, 10.5), (2.0, 103.0, 11.0), (3.0, 103.0, 11.0)]
+    assert load.cores(0.0, 2.0) == pytest.approx(((103 - 100) - (11 - 10)) / 2)  # 1 core the others'
+    assert load.cores(2.0, 3.0) == 0.0          # nobody busy
+    assert load.cores(0.5, 0.9) is None          # fewer than two samples: unknown

@@ -3,14 +3,17 @@
     python -m tools.bench_plan
     python -m tools.bench_plan --ranks 2 --model small --seq-len 256 --global-batch-size 16 --steps 8
 
-For each rank count, one torchrun job (tools/multirun.py) trains DDP, ZeRO-1, FSDP, TP, PP
-(1F1B) and 2-D for a few steps with the real step-3 scripts, and calibrates this machine right
-before each (``python -m tools.plan --calibrate``'s worker: every rank's matmul rate at once,
-memory bandwidth, the all-reduce's bandwidth and latency over gloo with the communication
-lab's code); the runs' metrics.jsonl give the measured step time (the fastest step after
-the first two: like the calibration's timings, since on a shared machine noise only adds time). Printed: predicted and measured milliseconds, their
-ratio, the predicted terms, and the Spearman rank correlation of the two orders (the target:
-every layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
+For each rank count, one torchrun job (tools/multirun.py) calibrates this machine
+(``python -m tools.plan --calibrate``'s worker: our model's block, forward and backward, timed at
+every layout's per-rank shape (tp-way narrow heads and MLP, a micro-batch's sequences) on one
+core while the other cores time too, each timing repeated and its median kept; memory
+bandwidth; the all-reduce's bandwidth and latency over gloo with the communication lab's code,
+every rank at once), then trains DDP, ZeRO-1, FSDP, TP, PP (1F1B) and 2-D for a few steps with
+the real step-3 scripts, then calibrates again: the model uses the mean of the two, and the
+table says how far they drifted apart. Measured: the median of each run's steps after the
+first two (metrics.jsonl). Printed: predicted and measured milliseconds, their ratio, the
+predicted terms, and the Spearman rank correlation of the two orders (the target: every
+layout within 25%, correlation >= 0.8). Writes runs/bench_plan/bench_plan.{json,md}.
 
 A benchmark, not a test: on a shared machine other processes slow the runs (and the
 calibration) by different amounts; read the ratios with that in mind.
@@ -20,14 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.steptime import TERMS, load_calibration, step_time  # noqa: E402
+from common.measure.cpuload import OtherLoad  # noqa: E402
+from common.measure.steptime import ALL_TERMS, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import get_config  # noqa: E402
 
@@ -59,35 +65,80 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def measure(world: int, args, out: Path) -> list[tuple[float, Path]]:
-    """One torchrun job: for each layout, calibrate (tools/plan.py's worker, every rank at once)
-    and then train it. On a shared machine the load changes from minute to minute, so each
-    layout is predicted with the calibration made just before it. Returns, per layout, the
-    measured step time (the fastest step after the first two: the calibration keeps the fastest
-    of its timings too, noise only adds time) and its calibration."""
+def fmt_cores(c: float | None) -> str:
+    return "?" if c is None else f"{c:.1f}"
+
+
+def plans(world: int, args, cfg) -> list[Plan]:
+    return [Plan(cfg, world=world, batch=args.global_batch_size, seq_len=args.seq_len, dtype="fp32", **kw)
+            for _, _, _, kw in layouts(world)]
+
+
+def measure(world: int, args, out: Path, shapes: list[tuple[int, int]]) -> tuple[list[float], list[Path]]:
+    """One torchrun job: calibrate (tools/plan.py's worker: our block at every layout's per-rank
+    shape, one core's rate, each timing repeated and its median kept; memory bandwidth; the
+    all-reduce's bandwidth and latency over gloo, every rank at once), train each layout, and
+    calibrate again, so the drift of the machine's load over the job shows. Returns each
+    layout's measured step time (the median of its steps after the first two: the calibration
+    keeps medians too) and the two calibrations."""
     flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--global-batch-size", str(args.global_batch_size),
              "--steps", str(args.steps), "--amp", "off", "--no-trace-memory", "--eval-batches", "0",
              "--data", "synthetic", "--device", "cpu"]
-    runs = []
+    cals = [out / f"calibration_{world}_{when}.json" for when in ("before", "after")]
+
+    def calibrate(path):
+        return {"name": f"calibrate ({path.stem})", "script": "tools/plan.py",
+                "argv": ["--calibrate-worker", "--model", args.model, "--seq-len", str(args.seq_len),
+                         "--global-batch-size", str(args.global_batch_size), "--device", "cpu",
+                         "--shapes", json.dumps(sorted(set(shapes))), "--repeats", str(args.repeats), "--out", str(path)]}
+    runs = [calibrate(cals[0])]
     for name, script, extra, _ in layouts(world):
         tag = f"{world}_{name.replace(' ', '_').replace('=', '')}"
-        runs += [{"name": f"calibrate before {name}", "script": "tools/plan.py",
-                  "argv": ["--calibrate-worker", "--model", args.model, "--seq-len", str(args.seq_len),
-                           "--global-batch-size", str(args.global_batch_size), "--device", "cpu",
-                           "--out", str(out / f"calibration_{tag}.json")]},
-                 {"name": name, "script": script, "argv": [*flags, *extra, "--out", str(out / tag)]}]
+        runs.append({"name": name, "script": script, "argv": [*flags, *extra, "--out", str(out / tag)]})
+    runs.append(calibrate(cals[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "tools/multirun.py", "--runs", json.dumps(runs)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        raise UserError(f"the {world}-rank job stopped: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    load = OtherLoad(proc.pid)  # the cores the machine's other processes take meanwhile
+    _, err = proc.communicate()
+    load.stop()
+    if proc.returncode:
+        raise UserError(f"the {world}-rank job stopped: {(err.strip().splitlines() or ['?'])[-1]}")
+    # each run's window: from the previous one's last write to its own (metrics.jsonl, the calibration)
+    ends = [cals[0].stat().st_mtime] + [(Path(r["argv"][-1]) / "metrics.jsonl").stat().st_mtime
+                                        for r in runs[1:-1]] + [cals[1].stat().st_mtime]
+    others = [load.cores(t0, t1) for t0, t1 in zip([start, *ends[:-1]], ends)]
     measured = []
-    for cal, run in zip(runs[::2], runs[1::2]):
+    for run in runs[1:-1]:
         rows = [json.loads(line) for line in (Path(run["argv"][-1]) / "metrics.jsonl").read_text().splitlines()]
-        times = [x["step_time_s"] for x in rows if x.get("step_time_s")][2:]
-        measured.append((min(times), Path(cal["argv"][-1])))
-    return measured
+        measured.append(statistics.median([x["step_time_s"] for x in rows if x.get("step_time_s")][2:]))
+    return measured, cals, others
+
+
+def machine_of(cals: list[Path]):
+    """The machine both calibrations describe: each measured rate (and bandwidth, latency) the
+    mean of the two medians. Also returns, per shape, its spread: the range of every repeat
+    of both calibrations over the mean."""
+    from dataclasses import replace
+
+    from common.measure.steptime import Link
+    cs = [json.loads(c.read_text()) for c in cals]
+    ms = [load_calibration(c) for c in cals]
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+    rates = {k: mean([m.shape_rates[k] for m in ms]) for k in ms[0].shape_rates}
+    spread = {k: (min(c["shapes_flops"][k]["min"] for c in cs), max(c["shapes_flops"][k]["max"] for c in cs))
+              for k in rates}  # FLOP/s: the lowest and the highest of every repeat
+    link = Link(mean([m.intra.bandwidth for m in ms]), mean([m.intra.latency for m in ms]), ms[0].intra.source)
+    m = replace(ms[0], shape_rates=rates, intra=link, inter=link, hbm=mean([m.hbm for m in ms]),
+                adamw_s_per_param=mean([m.adamw_s_per_param for m in ms]),
+                dtensor_s_per_block=mean([m.dtensor_s_per_block for m in ms]),
+                calibrated_rate={k: mean([m.calibrated_rate[k] for m in ms]) for k in ms[0].calibrated_rate})
+    drift = {k: ms[1].shape_rates[k] / ms[0].shape_rates[k] for k in rates}
+    return m, spread, drift
 
 
 @main_guard
@@ -99,6 +150,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     p.add_argument("--global-batch-size", type=int, default=16, help="sequences a step (default: 16)")
     p.add_argument("--steps", type=int, default=8, help="steps each run trains; the first two are not timed (default: 8)")
+    p.add_argument("--repeats", type=int, default=7, help="timings of each calibrated shape (default: 7)")
     p.add_argument("--out", default="runs/bench_plan", help="output folder (default: runs/bench_plan)")
     args = p.parse_args(argv)
     try:
@@ -107,45 +159,61 @@ def main(argv=None):
         worlds = []
     if not worlds or min(worlds) < 2:
         raise UserError(f"--ranks {args.ranks!r}: give comma-separated rank counts of 2 or more, e.g. 2,4.")
+    if args.repeats < 3:
+        raise UserError(f"--repeats must be at least 3 (a median of fewer says little; got {args.repeats}).")
     if args.steps < 4:
         raise UserError(f"--steps must be at least 4 (the first two are warm-up; got {args.steps}).")
-    from tools.plan import calibration_text
+    from common.measure.steptime import rank_shape, shape_key
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = get_config(args.model)
     results, notes = [], []
     for world in worlds:
-        for (name, _, _, kw), (seconds, cal) in zip(layouts(world), measure(world, args, out)):
-            machine = load_calibration(cal)
-            notes.append(f"{name} on {world}: " + calibration_text(json.loads(cal.read_text())))
-            plan = Plan(cfg, world=world, batch=args.global_batch_size, seq_len=args.seq_len, dtype="fp32", **kw)
+        ps = plans(world, args, cfg)
+        seconds, cals, others = measure(world, args, out, [rank_shape(p) for p in ps])
+        machine, spread, drift = machine_of(cals)
+        notes.append(f"{world} ranks on {machine.units} cores (other processes took {fmt_cores(others[0])} cores "
+                     f"during the first calibration, {fmt_cores(others[-1])} during the second): " + "; ".join(
+            f"{k}: {machine.shape_rates[k] / 1e9:.1f} GFLOP/s (repeats {spread[k][0] / 1e9:.1f}-"
+            f"{spread[k][1] / 1e9:.1f}, after/before {drift[k]:.2f})" for k in sorted(machine.shape_rates))
+            + f"; AdamW (with clipping, zeroing) {machine.adamw_s_per_param * 1e9:.1f} ns a parameter"
+            + f"; DTensor {machine.dtensor_s_per_block * 1e3:.1f} ms a block"
+            + f"; all-reduce busbw {machine.intra.bandwidth / 1e9:.2f} GB/s, latency {machine.intra.latency * 1e6:,.0f} us")
+        print("  " + notes[-1], flush=True)
+        for (name, _, _, _), plan, s, busy in zip(layouts(world), ps, seconds, others[1:-1]):
             t = step_time(plan, machine)
-            results.append({"layout": name, "ranks": world, "predicted_s": t["step"], "measured_s": seconds,
-                            "matmul_gflops": machine.matmul_rate("fp32") / 1e9,
+            key = shape_key("fp32", *rank_shape(plan))
+            results.append({"layout": name, "ranks": world, "predicted_s": t["step"], "measured_s": s,
+                            "shape": key, "gflops": machine.shape_rates[key] / 1e9,
                             "busbw_GBps": machine.intra.bandwidth / 1e9, "latency_us": machine.intra.latency * 1e6,
-                            **{k: t[k] for k in TERMS}})
-            print(f"  {name} on {world}: predicted {t['step'] * 1e3:,.0f} ms, measured {seconds * 1e3:,.0f} ms "
-                  f"({notes[-1]})", flush=True)
+                            "others_cores": busy,
+                            **{k: t[k] for k in ALL_TERMS}})
+            print(f"  {name} on {world}: predicted {t['step'] * 1e3:,.0f} ms, measured {s * 1e3:,.0f} ms", flush=True)
     rho = spearman([r["predicted_s"] for r in results], [r["measured_s"] for r in results])
     from common.measure.metrics import cpu_name
     lines = [f"model {args.model}, batch {args.global_batch_size} x {args.seq_len}, fp32, gloo, on {cpu_name()} "
-             f"({os.cpu_count()} cores, shared); each layout calibrated just before it ran (matmul GFLOP/s a rank, "
-             f"all-reduce busbw and latency)", "",
-             "| layout | ranks | calibrated GFLOP/s, GB/s, us | predicted ms | measured ms | measured / predicted | "
-             + " | ".join(TERMS) + " |", "|" + "---|" * (6 + len(TERMS))]
+             f"({os.cpu_count()} cores, shared); each rank count calibrated before and after its layouts ran "
+             f"(our block at each layout's per-rank shape, one core's rate, median of {args.repeats} repeats; "
+             f"the all-reduce's busbw and latency), the mean of the two used; measured: the median step; 'cores others took': the "
+             f"cores the machine's other processes used during each run (/proc, common/measure/cpuload.py)", "",
+             "| layout | ranks | block GFLOP/s at its shape (tp, sequences) | predicted ms | measured ms | "
+             "measured / predicted | " + " | ".join(ALL_TERMS) + " | cores others took |",
+             "|" + "---|" * (7 + len(ALL_TERMS))]
     for r in results:
-        lines.append(f"| {r['layout']} | {r['ranks']} | {r['matmul_gflops']:.1f}, {r['busbw_GBps']:.2f}, "
-                     f"{r['latency_us']:,.0f} | {r['predicted_s'] * 1e3:,.0f} | {r['measured_s'] * 1e3:,.0f} | "
+        tp, seqs = r["shape"].split()[1:]
+        lines.append(f"| {r['layout']} | {r['ranks']} | {r['gflops']:.1f} ({tp}, {seqs}) | "
+                     f"{r['predicted_s'] * 1e3:,.0f} | {r['measured_s'] * 1e3:,.0f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | "
-                     + " | ".join(f"{r[k] * 1e3:,.0f}" for k in TERMS) + " |")
+                     + " | ".join(f"{r[k] * 1e3:,.0f}" for k in ALL_TERMS) + f" | {fmt_cores(r['others_cores'])} |")
     within = sum(abs(r["measured_s"] / r["predicted_s"] - 1) <= 0.25 for r in results)
-    lines += ["", f"within 25%: {within} of {len(results)}; Spearman rank correlation of the orders: {rho:.2f} "
+    lines += ["", *[f"calibration, {n}" for n in notes], "",
+              f"within 25%: {within} of {len(results)}; Spearman rank correlation of the orders: {rho:.2f} "
               f"(targets: all, and >= 0.8)"]
     text = "\n".join(lines)
     print("\n" + text)
     (out / "bench_plan.md").write_text(text + "\n")
-    (out / "bench_plan.json").write_text(json.dumps({"results": results, "spearman": rho, "calibration": notes},
-                                                    indent=1))
+    (out / "bench_plan.json").write_text(json.dumps({"results": results, "spearman": rho, "within_25": within,
+                                                     "calibration": notes}, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ step split into compute, recompute, exposed communication, bubble and optimizer,
 MFU, and the command that runs it.
 
 ``--gpu`` describes a machine from its spec sheets (steptime.GPUS); ``--calibrate`` measures
-this one (the matmul rate with every rank busy at once, HBM bandwidth, and the collectives'
-bandwidth and latency with the communication lab's benchmark code) and saves it to
-runs/calibration.json, which ``--calibration`` then reads: the CPU can be planned for too.
+this one (our model's block rate on one compute unit, a CPU core, with the other units busy;
+the optimizer's time a parameter and DTensor's a block; memory bandwidth; and, every rank at
+once, the collectives' bandwidth and latency with the communication lab's benchmark code) and
+saves it to runs/calibration.json, which ``--calibration`` then reads: the CPU can be planned
+for too, its cores shared when the ranks outnumber them.
 ``--torchtitan`` predicts torchtitan's published Llama 3.1 8B runs and prints ours beside theirs.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: find common/
 
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.steptime import GPUS, TERMS, Machine, load_calibration, step_time  # noqa: E402
+from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
 from tools.estimate import HEADROOM_GIB, check_layouts, label, model_config, worst_rank  # noqa: E402
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what --calibrate measures (default: cpu)")
     p.add_argument("--out", default=str(CALIBRATION), help=f"where --calibrate saves (default: {CALIBRATION.relative_to(ROOT)})")
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    # the per-rank shapes to time our block at, as JSON [[tp, sequences], ...] (tools/bench_plan.py)
+    p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=7, help=argparse.SUPPRESS)
     return p
 
 
@@ -221,12 +226,14 @@ def evaluate(ps: list[Plan], machine: Machine, compiled: bool, headroom: float) 
 
 
 def table(rows: list[dict]) -> str:
-    head = "| # | layout | peak GiB | step ms | " + " | ".join(TERMS) + " | tokens/s | per GPU | MFU |"
+    # the CPU's term (ranks outnumbering cores) gets a column only where some row has it
+    terms = TERMS + tuple(k for k in (DISPATCH, SHARED) if any(r["time"][k] for r in rows))
+    head = "| # | layout | peak GiB | step ms | " + " | ".join(terms) + " | tokens/s | per GPU | MFU |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(rows, 1):
         t = r["time"]
         lines.append(f"| {i} | {layout_name(r['plan'])} | {r['peak'] / GiB:.1f} | {t['step'] * 1e3:,.0f} | "
-                     + " | ".join(f"{t[k] * 1e3:,.0f}" for k in TERMS)
+                     + " | ".join(f"{t[k] * 1e3:,.0f}" for k in terms)
                      + f" | {t['tokens_per_s']:,.0f} | {t['tokens_per_s_per_gpu']:,.0f} | "
                      + (f"{t['mfu']:.1%} |" if t["mfu"] is not None else "- |"))
     return "\n".join(lines)
@@ -324,46 +331,136 @@ def calibrate(args) -> dict:
     return json.loads(out.read_text())
 
 
+def narrow_block(model, tp: int):
+    """``model`` (one block) as one tensor-parallel rank holds it: 1/tp of the heads, of the MLP's
+    hidden units and of the vocabulary's logits, at full width everywhere else (so its norms
+    and residual adds run on every token, as each TP rank runs them). Same math, local shapes:
+    the cost of the narrow matmuls without DTensor or the collectives."""
+    import torch.nn as nn
+    if tp == 1:
+        return model
+    for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+        for mod, names in ((layer.attention, ("wq", "wk", "wv", "wo")), (layer.feed_forward, ("w1", "w3", "w2"))):
+            for name in names:
+                w = getattr(mod, name)
+                rowwise = name in ("wo", "w2")  # split by input; the others by output
+                setattr(mod, name, nn.Linear(w.in_features // tp if rowwise else w.in_features,
+                                             w.out_features if rowwise else w.out_features // tp, bias=False,
+                                             device=w.weight.device))
+    model.output = nn.Linear(model.output.in_features, model.output.out_features // tp, bias=False,
+                             device=model.output.weight.device)
+    return model
+
+
 def calibrate_worker(args) -> None:
-    """One rank of the measuring job: every rank computes at once (as a training job does), then
-    the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
+    """One rank of the measuring job. The compute is measured per compute unit: on a CPU the
+    first ``units`` ranks (one per core) time at once while the others wait, so a rank's rate is
+    one core's with its neighbours busy, and steptime.py shares the cores among the ranks that
+    have work; on a GPU every rank (one per GPU) times. Each timing is repeated (--repeats) and
+    the median kept, its spread (min-max over median) saved beside it. Then, every rank at once
+    as the job runs them, the communication lab's all-reduce sweep (step3_multi_gpu/bench_collectives.py)."""
+    import contextlib
+    import statistics
+    import time
+
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
     from common.distributed import distributed
-    from common.measure.bench import message_sizes, time_collective
-    from common.measure.steptime import head_flops, layer_flops
+    from common.measure.bench import message_sizes
+    from common.measure.steptime import head_flops, layer_flops, shape_key
     from common.model import build_model
     from step3_multi_gpu.bench_collectives import run as bench_run
     cfg = get_config(args.model, n_layers=args.n_layers)
     with distributed(args.device) as ctx:
         dev = ctx.device
-        tokens = max(1, (args.global_batch_size or ctx.world_size) // ctx.world_size) * args.seq_len
-        # The rate our model's own step reaches, one block deep (its matmuls, attention, norms and
-        # the rest, forward and backward, at one rank's tokens): the calibrated counterpart of a
-        # GPU's achieved fraction, which was measured on a whole step too. A bare matmul of the
-        # model's MLP shape is kept beside it, the "spec sheet" of this machine.
-        one = get_config(args.model, n_layers=1)
-        model = build_model(one, dev)
-        x = torch.randint(0, one.vocab_size, (max(1, tokens // args.seq_len), args.seq_len), device=dev)
+        units = len(os.sched_getaffinity(0)) if dev.type == "cpu" and hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1) if dev.type == "cpu" else ctx.world_size
+        measuring = ctx.rank < min(units, ctx.world_size)
 
-        def step(dtype: str):
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
-            loss.backward()
-        rates, peaks = {}, {}
+        def timed(fn, repeats: int = args.repeats) -> dict:
+            """Seconds a call on the measuring ranks (the slowest of them), over repeats: median, min, max."""
+            fn()  # warm-up: allocations, lazy init
+            runs = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if measuring:
+                    fn()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                t = torch.tensor([time.perf_counter() - t0 if measuring else 0.0], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                runs.append(t.item())
+            return {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+
+        def block_rate(dtype: str, tp: int, seqs: int) -> dict:
+            """FLOP/s of our model's own step one block deep (its matmuls, attention, norms and the
+            rest, forward and backward) at one rank's shape: the calibrated counterpart of a GPU's
+            achieved fraction, which was measured on a whole step too."""
+            one = get_config(args.model, n_layers=1)
+            model = narrow_block(build_model(one, dev), tp)
+            x = torch.randint(0, one.vocab_size // tp, (seqs, args.seq_len), device=dev)
+
+            def step():
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+                loss.backward()
+            t = timed(step)
+            flops = x.numel() * (layer_flops(one, args.seq_len) + head_flops(one)) / tp
+            # rates: the median, the lowest (the slowest repeat) and the highest
+            return {"median": flops / t["median"], "min": flops / t["max"], "max": flops / t["min"]}
+
+        seqs = max(1, (args.global_batch_size or ctx.world_size) // ctx.world_size)
+        tokens = seqs * args.seq_len
+        rates, peaks, shapes = {}, {}, {}
         for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            t, _ = time_collective(lambda: step(dtype), dev, max_iters=5, budget_s=0.5, blocks=3)
-            rates[dtype] = x.numel() * (layer_flops(one, args.seq_len) + head_flops(one)) / t
+            rates[dtype] = block_rate(dtype, 1, seqs)["median"]
+            # a bare matmul of the model's MLP shape, the "spec sheet" of this machine
             a = torch.randn(tokens, cfg.dim, dtype=torch_dtype, device=dev)
             b = torch.randn(cfg.dim, cfg.ffn_dim, dtype=torch_dtype, device=dev)
-            t, _ = time_collective(lambda: a @ b, dev, max_iters=10, budget_s=0.3, blocks=3)
-            peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / t
+            peaks[dtype] = 2 * tokens * cfg.dim * cfg.ffn_dim / timed(lambda: a @ b)["median"]
+        for tp, n in json.loads(args.shapes or "[]"):
+            shapes[shape_key("fp32", tp, n)] = block_rate("fp32", tp, n)
+        # DTensor's own work: our whole model, forward and backward of one sequence, plain and
+        # with tensor parallelism applied over a mesh of this rank alone (every op dispatched
+        # through DTensor, its collectives over one rank: nothing), the difference a block
+        from common.parallelize.tp import apply_tp
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import loss_parallel
+        alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+        # the whole model where it is small (a CPU's); one block of a large one (the 8b would not fit)
+        whole = cfg if count_params(cfg) <= 200e6 else get_config(args.model, n_layers=1)
+        seq = torch.randint(0, cfg.vocab_size, (1, args.seq_len), device=dev)
+
+        def fwd_bwd(model, context):
+            def go():
+                with context():
+                    F.cross_entropy(model(seq).flatten(0, 1).float(), seq.flatten()).backward()
+            return go
+        plain = timed(fwd_bwd(build_model(whole, dev), contextlib.nullcontext))["median"]
+        dmodel = build_model(whole, dev)
+        apply_tp(dmodel, DeviceMesh.from_group(alone, dev.type))
+        dtensor_s = max(0.0, timed(fwd_bwd(dmodel, loss_parallel))["median"] - plain) / whole.n_layers
+        # the optimizer as the scripts run it (common/training.py's AdamW options): clipping,
+        # the step and zeroing the gradients, on our whole model's parameters
+        from common.training import adamw_options
+        full = build_model(whole, dev)
+        params = list(full.parameters())
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.AdamW(params, **adamw_options(argparse.Namespace(lr=3e-4)))
+
+        def optimizer_step():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        adamw_s = timed(optimizer_step)["median"] / sum(q.numel() for q in params)
         x = torch.empty(2**24, device=dev)  # 64 MiB: a copy reads and writes it
         y = torch.empty_like(x)
-        t, _ = time_collective(lambda: y.copy_(x), dev, max_iters=10, budget_s=0.3, blocks=3)
-        memory_bps = 2 * x.nbytes / t
-        rows = bench_run(ctx, ["all_reduce"], message_sizes(4096, 16 * 2**20, 4), iters=10, budget_s=0.1, blocks=3)
+        memory_bps = 2 * x.nbytes / timed(lambda: y.copy_(x))["median"]
+        rows = bench_run(ctx, ["all_reduce"], message_sizes(4096, 16 * 2**20, 4), iters=10, budget_s=0.1, blocks=5)
         if ctx.is_main:
             from common.measure.metrics import cpu_name
             rows.sort(key=lambda r: r["bytes"])
@@ -371,8 +468,11 @@ def calibrate_worker(args) -> None:
                 torch.cuda.get_device_properties(dev).total_memory * ctx.world_size
             c = {"name": (cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)) +
                  f", {ctx.world_size} ranks", "world_size": ctx.world_size, "backend": ctx.backend,
+                 "units": units if dev.type == "cpu" else 0,
                  "date": datetime.date.today().isoformat(), "matmul_flops": rates, "bare_matmul_flops": peaks,
-                 "memory_Bps": memory_bps,
+                 "shapes_flops": shapes, "repeats": args.repeats, "memory_Bps": memory_bps,
+                 "adamw_s_per_param": adamw_s if dev.type == "cpu" else 0.0,
+                 "dtensor_s_per_block": dtensor_s if dev.type == "cpu" else 0.0,
                  "memory_gib": total / ctx.world_size / GiB, "latency_s": rows[0]["time_s"],
                  "bandwidth_Bps": max(r["busbw_GBps"] for r in rows) * 1e9,
                  "shapes": f"({tokens} x {cfg.dim}) @ ({cfg.dim} x {cfg.ffn_dim})", "all_reduce": rows}
@@ -381,7 +481,8 @@ def calibrate_worker(args) -> None:
 
 
 def calibration_text(c: dict) -> str:
-    return (f"{c['name']} ({c['backend']}), measured {c['date']}, every rank at once: the model's step (one "
+    who = f"one core, {c['units']} timing at once" if c.get("units") else "every rank at once"
+    return (f"{c['name']} ({c['backend']}), measured {c['date']}, {who}: the model's step (one "
             f"block) {c['matmul_flops']['fp32'] / 1e9:,.1f} GFLOP/s fp32 and {c['matmul_flops']['bf16'] / 1e9:,.1f} "
             f"bf16 a rank (a bare matmul {c['bare_matmul_flops']['fp32'] / 1e9:,.1f} and "
             f"{c['bare_matmul_flops']['bf16'] / 1e9:,.1f} at {c['shapes']}), memory {c['memory_Bps'] / 1e9:,.1f} GB/s, all-reduce busbw "

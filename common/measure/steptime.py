@@ -25,7 +25,9 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                bytes are theory.py's), less what hides under compute, as the scripts do it:
                  DDP: the buckets all-reduce during backward; the last one (the embedding's
                    gradient, ready last) waits: exposed = its time, plus what does not fit
-                   under backward. ZeRO-1 adds the parameter broadcast after the step.
+                   under backward. ZeRO-1 adds the parameters' broadcast after the step:
+                   issued asynchronously, one parameter at a time from its owner, and waited
+                   for together: an all-gather's bytes and one latency, all exposed.
                  FSDP: each block's all-gather is prefetched during the previous block; the
                    first (the root unit and block 0) and the root's reduce-scatter at the end
                    of backward are exposed, plus whatever does not fit under compute.
@@ -41,7 +43,30 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B): idle = busy x b / (1 - b).
   optimizer    AdamW is memory-bound: per parameter this rank updates, clipping reads the
                gradient (4 bytes), AdamW reads weight, gradient and both moments and writes
-               weight and moments (28): 32 bytes over HBM bandwidth.
+               weight and moments (28): 32 bytes over HBM bandwidth. A calibrated CPU times
+               it instead (clipping, AdamW's step and zeroing the gradients on our model's
+               parameters): seconds a parameter, times the parameters this rank updates.
+
+  DTensor dispatch
+               only on a calibrated CPU, under TP: DTensor's own work on every call (finding
+               each op's sharding, wrapping and unwrapping), measured as our model's forward
+               and backward with TP applied over one rank minus without, a block, times the
+               blocks and micro-batches a rank runs. On a GPU it runs ahead of the kernels.
+  waiting for a core
+               only where ranks outnumber the node's compute units (4 ranks on 2 CPU cores;
+               a GPU is one unit, so never on a GPU description): while every rank computes,
+               each gets units/ranks of a unit, so its own work (compute, recompute,
+               optimizer) costs ranks/units as long. A rank that waits gives its unit away:
+               a pipeline's schedule is played with the units shared among the ranks that
+               have work (pp.py:simulate_shared), and its bubble is only what that sharing
+               cannot fill.
+
+On a calibrated CPU (``--calibrate``), three more things are measured rather than assumed:
+the rate is our block's own (matmuls, attention, norms and the rest, forward and backward)
+timed at the shape each layout runs per rank (tp-way narrow heads and MLP, a micro-batch's
+sequences: ``rank_shape``), on one core with the other cores busy; gloo's collectives run on
+the cores that compute, so nothing overlaps anything (``Machine.overlap``); and the cores a
+node has (``Machine.units_per_node``). On the GPU descriptions all three stay as they were.
 
 What the model leaves out (the page says it too): kernel launch gaps and the harness's
 own time (folded into the achieved fraction), communication slowing the compute it
@@ -98,12 +123,32 @@ class Machine:
     gpus_per_node: int = 8
     source: str = ""
     calibrated_rate: dict = field(default_factory=dict)  # dtype -> FLOP/s measured here (--calibrate)
+    # What the three fields below change is only what a CPU has: on every GPU description they
+    # keep the model as it was (one unit a GPU, NCCL beside the compute, one achieved rate).
+    units_per_node: int = 0        # compute units a node (CPU cores; 0: one per GPU, gpus_per_node)
+    overlap: bool = True           # collectives run beside the compute (NCCL); gloo on a CPU runs
+    #                                them on the cores that compute, so nothing hides under anything
+    shape_rates: dict = field(default_factory=dict)  # shape_key(dtype, tp, seqs) -> FLOP/s of our
+    #                                block at that shape, measured by --calibrate (one core)
+    adamw_s_per_param: float = 0.0  # clipping + AdamW + zeroing, seconds a parameter, measured by
+    #                                --calibrate (a CPU's AdamW runs a Python loop over tensors); 0: memory-bound
+    dtensor_s_per_block: float = 0.0  # DTensor's dispatch under TP, seconds a block's forward + backward
+    #                                of one micro-batch, measured by --calibrate; 0 on a GPU (hidden
+    #                                behind the kernels it launches, and folded into the achieved fraction)
 
-    def matmul_rate(self, dtype: str, compiled: bool = False) -> float:
-        """FLOP/s one rank reaches: measured by --calibrate, or the spec x the achieved fraction."""
+    def matmul_rate(self, dtype: str, compiled: bool = False, tp: int = 1, seqs: int | None = None) -> float:
+        """FLOP/s one rank reaches on one unit: our block calibrated at this rank's shape (``tp``-way
+        split heads and MLP, ``seqs`` sequences a (micro-)batch) where --calibrate measured it, else
+        the calibrated rate, else the spec x the achieved fraction."""
+        if seqs is not None and shape_key(dtype, tp, seqs) in self.shape_rates:
+            return self.shape_rates[shape_key(dtype, tp, seqs)]
         if dtype in self.calibrated_rate:
             return self.calibrated_rate[dtype]
         return self.peak_flops[dtype] * self.achieved["compiled" if compiled else "eager"]
+
+    @property
+    def units(self) -> int:
+        return self.units_per_node or self.gpus_per_node
 
     def link(self, n: int, stride: int) -> tuple[Link, str]:
         """The link a ring of ``n`` ranks, ``stride`` apart in rank order, runs at.
@@ -153,13 +198,22 @@ GPUS: dict[str, Machine] = {
 }
 
 
+def shape_key(dtype: str, tp: int, seqs: int) -> str:
+    """How a calibration names one per-rank shape: the dtype, the TP split, sequences a (micro-)batch."""
+    return f"{dtype} tp={tp} seqs={seqs}"
+
+
 def load_calibration(path: str | Path) -> Machine:
     """The machine ``--calibrate`` measured (runs/calibration.json)."""
     c = json.loads(Path(path).read_text())
     link = Link(c["bandwidth_Bps"], c["latency_s"], f"measured: {c['backend']}, {c['world_size']} ranks")
     return Machine(c["name"], dict(c["matmul_flops"]), {"eager": 1.0, "compiled": 1.0},
                    c["memory_Bps"], c["memory_gib"], link, link, gpus_per_node=c["world_size"],
-                   source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]))
+                   source=f"--calibrate on {c['date']}", calibrated_rate=dict(c["matmul_flops"]),
+                   units_per_node=c.get("units", 0), overlap=c["backend"] != "gloo",
+                   shape_rates={k: v["median"] for k, v in c.get("shapes_flops", {}).items()},
+                   adamw_s_per_param=c.get("adamw_s_per_param", 0.0),
+                   dtensor_s_per_block=c.get("dtensor_s_per_block", 0.0))
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -208,6 +262,14 @@ def _comm(m: Machine, op: str, nbytes: float, n: int, stride: int, calls: int = 
     return Comm(op, nbytes, n, collective_time(op, nbytes, n, link, calls), 0.0, where)
 
 
+def rank_shape(plan: Plan) -> tuple[int, int]:
+    """(tp, sequences) of the block one rank runs at a time: heads and MLP split tp ways, and a
+    micro-batch's sequences (the pipeline's, or gradient accumulation's). What --calibrate times."""
+    cp = plan.cp or plan.world if plan.strategy in ("cp", "cp_fsdp") else 1
+    dp = plan.world // cp if cp > 1 else plan.dp
+    return plan.tp, max(1, plan.batch // dp // ((plan.microbatches or plan.pp) if plan.pp > 1 else plan.accum))
+
+
 def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     """Predicted seconds per optimizer step of ``plan`` on ``machine``, by term, for the slowest rank.
 
@@ -215,11 +277,13 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     plus "comm" (a list of Comm, each collective's total and exposed time), "tokens_per_s",
     "mfu" and "rate" (the matmul FLOP/s assumed)."""
     cfg, dtype = plan.cfg, plan.dtype
-    rate = machine.matmul_rate(dtype, compiled)
     cp = plan.cp or plan.world if plan.strategy in ("cp", "cp_fsdp") else 1
     dp = plan.world // cp if cp > 1 else plan.dp
     tp, pp = plan.tp, plan.pp
     seq_tokens = plan.batch // dp * plan.seq_len // cp  # tokens this rank's group runs a step (a pp stage: all of them)
+    m = plan.microbatches or pp
+    # the rate at the shape this rank runs (a calibrated CPU); one rate on a GPU
+    rate = machine.matmul_rate(dtype, compiled, *rank_shape(plan))
 
     # compute, per pipeline stage (the slowest sets the pace); heads and MLP units split over tp
     stages = []
@@ -246,7 +310,6 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     n_local = sum(math.prod(s) for s in shapes.values())
     kind = {"cp": "ddp", "cp_fsdp": "fsdp_zero3"}.get(plan.strategy, plan.dp_kind)
     fsdp = kind.startswith(("fsdp", "hsdp"))
-    m = plan.microbatches or pp
 
     # data parallelism over dp (or, under CP, every rank), stride tp: its bytes from theory.py
     group = plan.world if cp > 1 else dp
@@ -263,8 +326,14 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
             t_last = collective_time("all_reduce", last, group, machine.link(group, stride)[0])
             c.exposed = t_last + max(0.0, c.time - t_last - backward)
             comms.append(c)
-            if "broadcast" in b:  # ZeRO-1: each rank's updated partition, to every other, after the step
-                c = _comm(machine, "broadcast", b["broadcast"], group, stride, calls=len(shapes))
+            if "broadcast" in b:  # ZeRO-1: each rank's updated partition, to every other, after the step.
+                # ZeroRedundancyOptimizer._sync_params broadcasts parameter by parameter from its
+                # owner, all asynchronously, then waits for them all: together an all-gather's
+                # traffic ((n-1)/n of the parameters into each rank), the calls' latencies overlapping
+                # (one paid). Nothing left to hide it under: exposed.
+                link = machine.link(group, stride)[0]
+                c = Comm("broadcast", b["broadcast"], group,
+                         collective_time("all_gather", b["broadcast"], group, link), 0.0, machine.link(group, stride)[1])
                 c.exposed = c.time
                 comms.append(c)
         else:  # FSDP: one all-gather a unit forward (and again backward, resharded), one reduce-scatter
@@ -332,16 +401,40 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
                                                            accum=plan.accum), ep, 1, calls=4 * cfg.n_layers)
         c.exposed = c.time
         comms.append(c)
+    if not machine.overlap:  # gloo: the collectives run on the cores that compute, nothing hides
+        for c in comms:
+            c.exposed = c.time
     exposed = sum(c.exposed for c in comms)
 
     # the optimizer: the parameters this rank updates (theory.py's shards)
     updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
-    optimizer = updated * ADAMW_BYTES_PER_PARAM / machine.hbm
+    optimizer = updated * (machine.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / machine.hbm)
 
-    step = compute + recompute + exposed + bubble + optimizer
+    # More ranks on a node than compute units (4 ranks on 2 CPU cores): the ranks take turns.
+    # Everything above runs at one unit's rate; while all ranks compute, each gets units/ranks
+    # of one, so every second of its own work costs ranks/units ("waiting for a core"). A rank
+    # that waits (a pipeline's bubble) gives its unit to the others: the bubble is what is
+    # left of a schedule played with the units shared among the ranks that have work
+    # (common/parallelize/pp.py:simulate_shared), beyond the shared work itself. With ranks
+    # <= units (every GPU description) this term is 0 and the bubble is the formula's.
+    # DTensor's own Python on the CPU, a block's forward and backward per micro-batch
+    dispatch = machine.dtensor_s_per_block * n_layers * (m if pp > 1 else plan.accum) if tp > 1 else 0.0
+
+    share = min(plan.world, machine.gpus_per_node) / machine.units
+    waiting = 0.0
+    if share > 1:
+        busy = compute + recompute
+        waiting = (busy + optimizer + dispatch) * (share - 1)
+        if pp > 1:
+            from common.parallelize.pp import simulate_shared
+            span = simulate_shared(plan.schedule, pp, m, compute / 3 / m, (2 * compute / 3 + recompute) / m,
+                                   units=machine.units * pp / min(plan.world, machine.gpus_per_node))
+            bubble = max(0.0, span - busy * share)
+
+    step = compute + recompute + exposed + bubble + optimizer + dispatch + waiting
     tokens = plan.batch * plan.seq_len
     return {"compute": compute, "recompute": recompute, "exposed communication": exposed, "bubble": bubble,
-            "optimizer": optimizer, "step": step, "comm": comms, "tokens_per_s": tokens / step,
+            "optimizer": optimizer, DISPATCH: dispatch, SHARED: waiting, "step": step, "comm": comms, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
             # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached),
             # and against the rate assumed (how much of the reachable the layout keeps)
@@ -351,11 +444,14 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
 
 
 TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
+# Only on a calibrated CPU: DTensor's per-call work under TP, and ranks outnumbering cores (see step_time)
+DISPATCH, SHARED = "DTensor dispatch", "waiting for a core"
+ALL_TERMS = (*TERMS, DISPATCH, SHARED)
 
 
 def explain(t: dict) -> str:
     """One line: the step and its terms, then each collective's total and exposed time."""
-    terms = ", ".join(f"{k} {t[k] * 1e3:,.1f}" for k in TERMS if t[k] > 0)
+    terms = ", ".join(f"{k} {t[k] * 1e3:,.1f}" for k in ALL_TERMS if t[k] > 0)
     mfu = f"MFU {t['mfu']:.1%} of the spec sheet, " if t["mfu"] is not None else "MFU "
     lines = [f"step {t['step'] * 1e3:,.1f} ms = {terms} (ms); {mfu}{t['mfu_of_rate']:.0%} of the rate assumed"]
     lines += ["    " + c.row() for c in t["comm"]]

@@ -238,11 +238,7 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
     done: dict[tuple[str, int, int], float] = {}
 
     def dependency(kind, stage, i):
-        if kind == "F":
-            return ("F", stage - 1, i) if stage > 0 else None
-        if kind == "W":
-            return ("I", stage, i)
-        return ("B", stage + 1, i) if stage < last else ("F", stage, i)
+        return _dependency(kind, stage, i, last)
 
     clock = [0.0] * pp
     pos = [0] * pp
@@ -265,6 +261,56 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
     total = max(clock)
     busy = microbatches * (f + b)
     return [1 - busy / total] * pp, total
+
+
+def _dependency(kind: str, stage: int, i: int, last: int):
+    """The action that must finish before this one can start (None: the first stage's forward)."""
+    if kind == "F":
+        return ("F", stage - 1, i) if stage > 0 else None
+    if kind == "W":
+        return ("I", stage, i)
+    return ("B", stage + 1, i) if stage < last else ("F", stage, i)
+
+
+def simulate_shared(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0,
+                    units: float | None = None) -> float:
+    """The step's length when ``units`` compute units serve the ``pp`` ranks (processor sharing).
+
+    simulate_schedule's action lists and costs (``f``, ``b``: a stage's forward and backward of
+    one micro-batch on a whole unit), but the ranks that have an action ready share the units
+    equally: each runs at min(1, units / ready). A rank that waits (the bubble) uses no unit,
+    so on 4 ranks over 2 CPU cores the others run faster meanwhile. With units >= pp it is
+    simulate_schedule's step; it is never shorter than the total work / units."""
+    order = schedule_actions(schedule, pp, microbatches)
+    v = STAGES_PER_RANK[schedule]
+    last = pp * v - 1
+    cost = {"F": f / v, "B": b / v, "I": b / v / 2, "W": b / v / 2}
+    units = pp if units is None else units
+    done: set[tuple[str, int, int]] = set()
+    pos, left, now = [0] * pp, [None] * pp, 0.0
+    while any(pos[r] < len(order[r]) for r in range(pp)):
+        ready = []
+        for r in range(pp):
+            if pos[r] < len(order[r]):
+                dep = _dependency(*order[r][pos[r]], last)
+                if dep is None or dep in done:
+                    ready.append(r)
+        if not ready:
+            raise RuntimeError("schedule deadlocks")
+        speed = min(1.0, units / len(ready))
+        for r in ready:
+            if left[r] is None:
+                left[r] = cost[order[r][pos[r]][0]]
+        dt = min(left[r] for r in ready) / speed
+        now += dt
+        for r in ready:
+            left[r] -= dt * speed
+            kind, stage, i = order[r][pos[r]]
+            if left[r] <= 1e-9 * max(cost[kind], 1e-30):
+                done.add((kind, stage, i))
+                done.add(("B" if kind == "I" else kind, stage, i))
+                pos[r], left[r] = pos[r] + 1, None
+    return now
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int) -> float:
