@@ -263,3 +263,20 @@ def test_other_processes_cores_by_hand():
     assert load.cores(0.0, 2.0) == pytest.approx(((103 - 100) - (11 - 10)) / 2)  # 1 core the others'
     assert load.cores(2.0, 3.0) == 0.0          # nobody busy
     assert load.cores(0.5, 0.9) is None          # fewer than two samples: unknown
+
+
+def test_one_gpu_plans_name_the_one_device_scripts(capsys):
+    """--gpus 1 (the learner's one GPU, and tools/gpu_pass.py's prediction of one rank): the
+    layouts are the one-device chapters' scripts, and their commands parse."""
+    from tests.test_readme import parse_only, split
+    from tools.plan import build_parser, command, layouts
+    seen = set()
+    for dtype in ("bf16", "fp32"):
+        args = build_parser().parse_args(["--model", "1b", "--gpus", "1", "--global-batch-size", "4", "--dtype", dtype])
+        for p in layouts(get_config("1b"), 1, 1, 4, 2048, dtype, "cuda", acs=("none", "selective", "full")):
+            cmd = command(p, args, 1)
+            seen.add(cmd.split()[1])
+            _, target, argv = split(shlex.split(cmd))
+            assert parse_only(target, argv) == 0, (cmd, capsys.readouterr().err)
+            assert ("--amp bf16" in cmd) == (dtype == "bf16") and (f"--ac {p.ac}" in cmd) == (p.ac != "none")
+    assert seen == {"step1_single_gpu/train.py", "step2_memory/train_amp.py", "step2_memory/train_amp_ac.py"}

@@ -182,6 +182,8 @@ def command(p: Plan, args, per_node: int) -> str:
     nodes = max(1, p.world // per_node)
     launch = f"torchrun --nproc-per-node {min(p.world, per_node)}" if nodes == 1 else \
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500"
+    if p.strategy == "single":
+        return _one_device_command(p, args)
     script, extra = {
         "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
         "fsdp_zero3": ("train_fsdp.py", []), "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]),
@@ -202,6 +204,20 @@ def command(p: Plan, args, per_node: int) -> str:
     flags += ["--amp", "off"] if p.dtype == "fp32" else []
     flags += ["--compile"] if args.compile else []
     return f"{launch} step3_multi_gpu/{script} " + " ".join(flags)
+
+
+def _one_device_command(p: Plan, args) -> str:
+    """One GPU: the one-device chapters' scripts (step 1's fp32 baseline; step 2's bf16, with AC)."""
+    flags = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
+    flags += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
+    flags += ["--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len)]
+    if p.dtype == "fp32" and p.ac == "none":
+        script = "step1_single_gpu/train.py"
+    else:
+        script = "step2_memory/train_amp.py" if p.ac == "none" else "step2_memory/train_amp_ac.py"
+        flags += ["--amp", "bf16" if p.dtype == "bf16" else "off"] + (["--ac", p.ac] if p.ac != "none" else [])
+    flags += ["--compile"] if args.compile else []
+    return f"python {script} " + " ".join(flags)
 
 
 def evaluate(ps: list[Plan], machine: Machine, compiled: bool, headroom: float) -> tuple[list[dict], list[dict]]:
