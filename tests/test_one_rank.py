@@ -167,7 +167,7 @@ def test_every_gpu_pass_command_parses_and_its_checks_cover_gpu_check(monkeypatc
     from tools import gpu_check, gpu_pass
 
     for big in (False, True):
-        for part in gpu_pass.parts("h100", big):
+        for part in gpu_pass.parts(big):
             for c in part.commands:
                 if c[1:3] == ["-m", "pytest"]:
                     continue
@@ -194,10 +194,34 @@ def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys)
                 for n in parts]
         (d / "gpu_pass.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "d",
                                                      "parts": rows, "left": []}))
-    md = gpu_pass.merge([str(tmp_path / "call0"), str(tmp_path / "call1")], tmp_path).read_text()
-    assert (tmp_path / "gpu_pass_h100.md").exists()
+    # the first call brought gpu_check's report back in its tarball; two of its one-rank runs
+    import tarfile
+    from common.measure.steptime import GPUS, step_time
+    from common.measure.theory import Plan
+    from common.model import get_config
+    runs = [{"name": "02_amp", "ok": True, "step_time_s": 0.05, "dtype": "bf16"},
+            {"name": "1b_amp_compile", "ok": True, "step_time_s": 0.2, "dtype": "bf16"},
+            {"name": "1b_fp32", "ok": False, "error": "CUDA out of memory"}]
+    (tmp_path / "gpu_check_h100.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "runs": runs}))
+    with tarfile.open(tmp_path / "call0" / "figs.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "gpu_check_h100.json", arcname="figs/gpu_check_h100.json")
+    (tmp_path / "gpu_check_h100.json").unlink()
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    md = gpu_pass.merge([str(tmp_path / "call0"), str(tmp_path / "call1")], figs).read_text()
+    assert (figs / "gpu_pass_h100.md").exists() and (figs / "gpu_check_h100.json").exists()  # unpacked
+    rows = {r["name"]: r for r in gpu_pass.predicted_vs_measured(json.loads((figs / "gpu_check_h100.json").read_text()))}
+    for name, model, batch, seq, compiled, measured in [("02_amp", "125m", 12, 1024, False, 0.05),
+                                                         ("1b_amp_compile", "1b", 4, 2048, True, 0.2)]:
+        t = step_time(Plan(get_config(model), "single", batch=batch, seq_len=seq, dtype="bf16", device="cuda"),
+                      GPUS["h100"], compiled)  # gpu_check's scale for these runs, on the H100's sheet
+        assert rows[name]["predicted_ms"] == pytest.approx(t["step"] * 1e3)
+        assert rows[name]["ratio"] == pytest.approx(measured / t["step"])
+        assert f"| {name} | {'yes' if compiled else 'no'} | {measured * 1e3:,.1f} | {t['step'] * 1e3:,.1f} |" in md
+    assert rows["1b_fp32"] == {"name": "1b_fp32", "why": "CUDA out of memory"} and "| 1b_fp32 | - |" in md
+    assert rows["01_baseline"]["why"] == "did not run"
     heads = [line[3:] for line in md.splitlines() if line.startswith("## ")]
-    assert heads == [names[0], names[1], names[3]]
+    assert heads == [names[0], names[1], names[3], "One rank: the step-time model against the measured step"]
     assert f"{names[1]}1" in md and f"{names[1]}0" not in md
     assert f"left for another call: {', '.join(n for n in names if n not in heads)}" in md
 

@@ -16,7 +16,10 @@ call always ends in time to send its files back. Each call writes three files to
 ``--report-dir``: ``gpu_pass.md`` (per command: exit status, seconds, the end of its
 output, the targets it is held to), ``gpu_pass.json`` (the same) and ``figs.tar.gz`` (the
 files the commands wrote under figs/: the CUDA memory figures and gpu_check's report).
-``--merge`` joins the reports of several calls into ``figs/gpu_pass_<gpu>.md``.
+``--merge`` (here, no GPU needed) joins the reports of several calls into
+``figs/gpu_pass_<gpu>.md``, unpacks their figures into figs/, and sets the step-time
+model's prediction of one rank's step (tools/plan.py's model, on the GPU's spec sheet) beside
+gpu_check's measured steps at 125m and 1b, eager and compiled.
 
 The targets printed beside each part are the issues' own; this driver measures, it does
 not judge: a number that misses stays in the report with its reason.
@@ -49,15 +52,15 @@ class Part:
     targets: str          # what the numbers are held to (the issue's words)
 
 
-def parts(gpu: str = "h100", big_memory: bool = False) -> list[Part]:
-    """The GPU pass, in the order it should run. ``gpu``: the planner's machine (h100 or h200);
-    ``big_memory``: a GPU with over 100 GiB (the 8b dry run then takes torchtitan's local batch 2)."""
+def parts(big_memory: bool = False) -> list[Part]:
+    """The GPU pass, in the order it should run. ``big_memory``: a GPU with over 100 GiB (the 8b
+    dry run then takes torchtitan's local batch 2)."""
     local = 2 if big_memory else 1
-    plan = [*PY, "-m", "tools.plan", "--gpus", "1", "--gpu", gpu, "--top", "1", "--ac", "none"]
     return [
         Part("check_one", 6, [[*PY, "-m", "tools.gpu_check", "--no-tests", "--only", "01,02,1b"]],
              "steps 1 and 2 at 125m and 1b, eager and compiled: the allocator's peak beside the tracer's (within "
-             "1%), the CUDA memory figures (figs/*_cuda_*.png, figs/gpu_check_<gpu>.md/.json)"),
+             "1%), the CUDA memory figures (figs/*_cuda_*.png, figs/gpu_check_<gpu>.md/.json); --merge sets the "
+             "step-time model's one-rank prediction beside these steps: within 10% (issue 38 item 6)"),
         Part("throughput", 3, [
             [*PY, "-m", "tools.bench_throughput"],
             [*PY, "-m", "tools.bench_throughput", "--scale", "1b"]],
@@ -85,13 +88,6 @@ def parts(gpu: str = "h100", big_memory: bool = False) -> list[Part]:
              f"rank 0 of FSDP over 8, 8b at 128,256 vocabulary, local batch {local} x 8192, selective AC: measured "
              "peak and reserved beside the estimator and torchtitan's 82.4 GiB eager / 77.0 GiB compiled (local "
              "batch 2 on 96 GB H100s); each difference explained"),
-        Part("plan", 1, [
-            [*plan, "--model", "125m", "--global-batch-size", "12", "--seq-len", "1024"],
-            [*plan, "--model", "125m", "--global-batch-size", "12", "--seq-len", "1024", "--compile"],
-            [*plan, "--model", "1b", "--global-batch-size", "4", "--seq-len", "2048"],
-            [*plan, "--model", "1b", "--global-batch-size", "4", "--seq-len", "2048", "--compile"]],
-             "one rank's predicted step beside gpu_check's measured 02_amp / 02_amp_compile / 1b step times: "
-             "within 10% (issue 38 item 6)"),
         Part("generate", 2, [
             [*PY, "step1_single_gpu/train.py", "--model", "small", "--steps", "300", "--device", "cuda",
              "--save-weights", "--no-trace-memory", "--eval-batches", "0", "--out", GEN_RUN],
@@ -159,7 +155,65 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
+# gpu_check's one-rank runs whose step the step-time model predicts (issue 38 item 6): (run, compiled)
+ONE_RANK = [("01_baseline", False), ("02_amp", False), ("02_amp_compile_notrace", True), ("1b_fp32", False),
+            ("1b_amp", False), ("1b_amp_compile", True)]
+
+
+def predicted_vs_measured(check_report: dict) -> list[dict]:
+    """gpu_check's measured step of each ONE_RANK run beside common/measure/steptime.py's
+    prediction for the same model, batch and dtype on the spec sheet of the GPU that ran it."""
+    from common.measure.steptime import GPUS, step_time
+    from common.measure.theory import Plan
+    from common.model import get_config
+    from tools.gpu_check import CHECKS, SCALES
+
+    gpu = "h200" if "H200" in check_report["device"] else "h100"
+    rows, runs = [], {r["name"]: r for r in check_report["runs"]}
+    for name, compiled in ONE_RANK:
+        run = runs.get(name)
+        if not run or not run.get("ok"):
+            rows.append({"name": name, "why": "did not run" if not run else run.get("error", "failed")})
+            continue
+        check = next(c for c in CHECKS if c.name == name)
+        flags = SCALES[check.scale][0] + check.flags
+        flag = lambda f, d: flags[flags.index(f) + 1] if f in flags else d  # noqa: E731
+        plan = Plan(get_config(flag("--model", None)), "single", batch=int(flag("--global-batch-size", 0)),
+                    seq_len=int(flag("--seq-len", 0)), dtype=run.get("dtype") or "fp32", ac=flag("--ac", "none"),
+                    device="cuda")
+        t = step_time(plan, GPUS[gpu], compiled)
+        rows.append({"name": name, "gpu": gpu, "compiled": compiled, "measured_ms": run["step_time_s"] * 1e3,
+                     "predicted_ms": t["step"] * 1e3, "compute_ms": t["compute"] * 1e3,
+                     "ratio": run["step_time_s"] / t["step"]})
+    return rows
+
+
+def prediction_markdown(rows: list[dict]) -> str:
+    out = ["## One rank: the step-time model against the measured step", "",
+           "`common/measure/steptime.py` on the spec sheet (achieved fraction and compile factor as "
+           "assumed there) beside gpu_check's mean step; target: within 10% (issue 38, item 6).", "",
+           "| run | compiled | measured ms | predicted ms | of it compute | measured / predicted |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['name']} | - | - | - | - | {r['why']} |" if "why" in r else
+                   f"| {r['name']} | {'yes' if r['compiled'] else 'no'} | {r['measured_ms']:,.1f} | "
+                   f"{r['predicted_ms']:,.1f} | {r['compute_ms']:,.1f} | {r['ratio']:.2f} |")
+    return "\n".join(out)
+
+
 def merge(folders: list[str], out_dir: Path = ROOT / "figs") -> Path:
+    """Join the calls' reports into ``out_dir``/gpu_pass_<gpu>.md, unpack their figures into
+    ``out_dir``, and set one rank's predicted step beside gpu_check's measured one."""
+    out_dir = Path(out_dir)
+    for f in folders:
+        tarball = Path(f) / "figs.tar.gz"
+        if tarball.exists():
+            with tarfile.open(tarball) as tar:
+                for member in tar.getmembers():  # figs/<name> only: nothing lands outside out_dir
+                    name = Path(member.name)
+                    if member.isfile() and name.parent == Path("figs") and name.name == Path(name.name).name:
+                        data = tar.extractfile(member).read()
+                        (out_dir / name.name).write_bytes(data)
     reports = [json.loads((Path(f) / "gpu_pass.json").read_text()) for f in folders]
     done = {}
     for r in reports:  # a later call's part replaces an earlier one of the same name
@@ -167,9 +221,14 @@ def merge(folders: list[str], out_dir: Path = ROOT / "figs") -> Path:
     order = [p.name for p in parts()]
     merged = {**reports[-1], "parts": sorted(done.values(), key=lambda p: order.index(p["name"])),
               "left": [n for n in order if n not in done]}
-    slug = merged["device"].lower().replace("nvidia ", "").split()[0].replace("-", "_")
-    path = Path(out_dir) / f"gpu_pass_{slug}.md"
-    path.write_text(markdown(merged) + "\n")
+    from tools.gpu_check import gpu_slug
+    slug = gpu_slug(merged["device"])  # gpu_check's name for the same GPU: its report sits beside ours
+    text = markdown(merged)
+    check = out_dir / f"gpu_check_{slug}.json"
+    if check.exists():
+        text += "\n" + prediction_markdown(predicted_vs_measured(json.loads(check.read_text()))) + "\n"
+    path = out_dir / f"gpu_pass_{slug}.md"
+    path.write_text(text + "\n")
     return path
 
 
@@ -196,9 +255,8 @@ def main(argv=None) -> int:
         return 0
     import torch
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    todo = [x for x in parts("h200" if "H200" in name else "h100",
-                             torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 100 * 2**30)
-            if x.name in chosen]
+    big = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 100 * 2**30
+    todo = [x for x in parts(big) if x.name in chosen]
     if args.list:
         for x in todo:
             print(f"{x.name} (~{x.minutes:g} min): {x.targets}")
