@@ -211,7 +211,7 @@ def merge(folders: list[str], out_dir: Path = ROOT / "figs") -> Path:
             with tarfile.open(tarball) as tar:
                 for member in tar.getmembers():  # figs/<name> only: nothing lands outside out_dir
                     name = Path(member.name)
-                    if member.isfile() and name.parent == Path("figs") and name.name == Path(name.name).name:
+                    if member.isfile() and name.parent == Path("figs"):
                         data = tar.extractfile(member).read()
                         (out_dir / name.name).write_bytes(data)
     reports = [json.loads((Path(f) / "gpu_pass.json").read_text()) for f in folders]

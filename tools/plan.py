@@ -179,11 +179,11 @@ def layout_name(p: Plan) -> str:
 
 def command(p: Plan, args, per_node: int) -> str:
     """The step-3 command that runs ``p`` (flags its script accepts: tests/test_plan.py parses it)."""
+    if p.strategy == "single":
+        return _one_device_command(p, args)
     nodes = max(1, p.world // per_node)
     launch = f"torchrun --nproc-per-node {min(p.world, per_node)}" if nodes == 1 else \
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500"
-    if p.strategy == "single":
-        return _one_device_command(p, args)
     script, extra = {
         "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
         "fsdp_zero3": ("train_fsdp.py", []), "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]),

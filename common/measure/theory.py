@@ -208,10 +208,6 @@ def model_state(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shar
                   rank % s, adam_step_bytes)  # HSDP: ranks are (replicate, shard), shard index fastest
 
 
-STAGING = "checkpoint staging"  # common/measure/memory.py's name for it
-STAGING_STRATEGIES = DP_STRATEGIES  # the data-parallel family: ckpt_staging_bytes knows its state
-
-
 def ckpt_staging_bytes(strategy: str, cfg: ModelConfig, world: int, rank: int = 0, shard: int | None = None) -> int:
     """--ckpt-async: the host memory one rank's checkpoint copy takes while it is written.
 
@@ -682,7 +678,7 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     """
     if not ctx.is_main:
         return None
-    from common.measure.memory import fmt_bytes
+    from common.measure.memory import STAGING, fmt_bytes
     plan_kwargs.setdefault("device", "cuda" if ctx.device.type == "cuda" else "cpu")
     plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
                 seq_len=args.seq_len, **plan_kwargs)
@@ -702,8 +698,9 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
                 else m["peak_by_category"][c]
             row[f"measured {c}"] = seen
             cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
-        if m is not None and STAGING in m["peak_by_category"] and plan.strategy in STAGING_STRATEGIES:
-            # --ckpt-async's host copy, traced where a checkpoint step fell in the window (CPU runs)
+        if m is not None and STAGING in m["peak_by_category"] and plan.strategy in DP_STRATEGIES:
+            # --ckpt-async's host copy, traced where a checkpoint step fell in the window (CPU runs);
+            # ckpt_staging_bytes knows the data-parallel family's state
             want, seen = ckpt_staging_bytes(plan.strategy, plan.cfg, plan.world, r, plan.shard), \
                 m["peak_by_category"][STAGING]
             row |= {STAGING: want, f"measured {STAGING}": seen}

@@ -231,34 +231,7 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, f: float = 1.0,
     Returns (per-rank idle fraction of the step, step length). For GPipe and 1F1B this gives
     (p-1)/(m+p-1) on every rank, whatever f and b: 1F1B changes the memory, not the bubble.
     """
-    order = schedule_actions(schedule, pp, microbatches)
-    v = STAGES_PER_RANK[schedule]
-    last = pp * v - 1
-    cost = {"F": f / v, "B": b / v, "I": b / v / 2, "W": b / v / 2}
-    done: dict[tuple[str, int, int], float] = {}
-
-    def dependency(kind, stage, i):
-        return _dependency(kind, stage, i, last)
-
-    clock = [0.0] * pp
-    pos = [0] * pp
-    while any(pos[r] < len(order[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(order[r]):
-                kind, stage, i = order[r][pos[r]]
-                dep = dependency(kind, stage, i)
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[r], done.get(dep, 0.0))
-                clock[r] = start + cost[kind]
-                # a later stage's backward waits for this one's input gradient, which "I" or "B" makes
-                done[(kind, stage, i)] = done[("B" if kind == "I" else kind, stage, i)] = clock[r]
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("schedule deadlocks")
-    total = max(clock)
+    total = simulate_shared(schedule, pp, microbatches, f, b)  # a unit per rank: nobody shares
     busy = microbatches * (f + b)
     return [1 - busy / total] * pp, total
 
@@ -279,8 +252,9 @@ def simulate_shared(schedule: str, pp: int, microbatches: int, f: float = 1.0, b
     simulate_schedule's action lists and costs (``f``, ``b``: a stage's forward and backward of
     one micro-batch on a whole unit), but the ranks that have an action ready share the units
     equally: each runs at min(1, units / ready). A rank that waits (the bubble) uses no unit,
-    so on 4 ranks over 2 CPU cores the others run faster meanwhile. With units >= pp it is
-    simulate_schedule's step; it is never shorter than the total work / units."""
+    so on 4 ranks over 2 CPU cores the others run faster meanwhile. With units >= pp (the
+    default) every rank runs an action as soon as its input has arrived: simulate_schedule;
+    it is never shorter than the total work / units."""
     order = schedule_actions(schedule, pp, microbatches)
     v = STAGES_PER_RANK[schedule]
     last = pp * v - 1
