@@ -333,7 +333,12 @@ class Checkpointer:
             set_model_state_dict(m, {k: v for k, v in state["model"].items() if k in names})
             if o is not None:
                 mine = _flatten_optim(get_optimizer_state_dict(m, o))
-                set_optimizer_state_dict(m, o, _unflatten_optim({k: state["optim"][k] for k in mine}))
+                # Each parameter's state and hyperparameters by its name; which group it sits
+                # in is this layout's (common/training.py: one group per kind of parameter),
+                # not the saving layout's: TP's two groups resume DDP's one, and back.
+                loaded = {k: state["optim"][k] if k.startswith("state.") else
+                          dict(state["optim"][k], _group=mine[k]["_group"]) for k in mine}
+                set_optimizer_state_dict(m, o, _unflatten_optim(loaded))
 
     def _meta(self, step: int) -> dict:
         return {"step": step, "script": self.args.script, "model": self.args.model,

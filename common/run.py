@@ -36,6 +36,7 @@ from common.measure.comm import CommCounter, print_comm
 from common.measure.memory import MemoryTracer
 from common.measure.metrics import Metrics
 from common.measure.profile import Profile, profile_steps
+from common.training import optimizer_kernels
 
 
 class Run:
@@ -58,8 +59,10 @@ class Run:
         self.strategy = strategy
         self.lesson = title  # the strategy alone, for summary.json
         self.title = ", ".join(filter(None, [title, cli.saver_label(args)]))
+        # which AdamW kernels a step runs (foreach holds temporaries: the formula counts them)
+        self.optimizer_kernels = optimizer_kernels(optimizer)
         self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "ac_every": getattr(args, "ac_every", 1),
-                        "accum": getattr(args, "grad_accum", 1), **(predict or {})}
+                        "accum": getattr(args, "grad_accum", 1), "optimizer": self.optimizer_kernels, **(predict or {})}
         self.parallel = parallel or {"dp": ctx.world_size}
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         script = Path(sys.argv[0])
@@ -193,7 +196,7 @@ class Run:
         predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}
-        extra = {"lesson": self.lesson, **extra}
+        extra = {"lesson": self.lesson, "optimizer_kernels": self.optimizer_kernels, **extra}
         if ctx.fake:  # one rank of the layout, alone: memory and bytes real, losses not
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 
 import torch
@@ -47,8 +48,96 @@ def adamw_options(args) -> dict:
 
 
 def adamw(params, args, **kwargs) -> torch.optim.AdamW:
-    """AdamW as every script uses it (fp32 state: 8 bytes per parameter)."""
-    return torch.optim.AdamW(params, **(adamw_options(args) | kwargs))
+    """AdamW as every script uses it (fp32 state: 8 bytes per parameter), one parameter
+    group per kind of parameter (``param_groups_by_kind``)."""
+    return torch.optim.AdamW(param_groups_by_kind(params), **(adamw_options(args) | kwargs))
+
+
+def param_kind(t: torch.Tensor):
+    """What PyTorch's multi-tensor kernels must not mix: plain tensors (None), or DTensors on
+    one mesh (the mesh)."""
+    return t.device_mesh if isinstance(t, DTensor) else None
+
+
+def param_groups_by_kind(params) -> list[dict]:
+    """The parameters split into one optimizer group per kind (``param_kind``), in order of
+    first appearance; one group when all are alike, as a plain ``AdamW(params)`` has.
+
+    Why: on CUDA, AdamW defaults to its foreach (multi-tensor) kernels, and ``fused=True``
+    batches every parameter of a group into one kernel too. Each batch takes one kind of
+    tensor: DTensors and plain tensors together fail ("got mixed torch.Tensor and
+    DTensor"). Layouts mix them: TP without sequence parallelism leaves the norms plain,
+    2-D and 3-D at dp 1 skip FSDP, EP keeps its experts on a mesh of their own. Groups
+    keep the fast kernels (one batch per group) on every layout. A checkpoint stores each
+    parameter's optimizer state under its name (common/checkpoint.py), so a layout with
+    two groups resumes one with a single group, and back.
+
+    On a CPU PyTorch takes the one-tensor-at-a-time loop, where the mix never shows;
+    ``TUTORIAL_CUDA_PATHS=1`` (``take_cuda_paths``) makes a CPU run take CUDA's path."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(param_kind(p), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
+# ---- CUDA's code paths on a CPU (the test suite's CUDA-path mode) ----------------------------
+CUDA_PATHS_ENV = "TUTORIAL_CUDA_PATHS"
+
+
+def take_cuda_paths(enabled: bool | None = None) -> bool:
+    """Let a CPU run take the optimizer path PyTorch takes on CUDA: torch.optim chooses its
+    foreach (multi-tensor) kernels by default only for devices in
+    ``_get_foreach_kernels_supported_devices()`` (cuda, xpu, mtia, privateuse1; never cpu),
+    although the kernels run on a CPU too. Adding "cpu" to that list makes every CPU
+    optimizer step batch its tensors as a GPU's does, so a CPU test meets what a GPU would
+    (mixed DTensor and plain tensors in one batch, the temporaries a batch holds).
+
+    ``enabled`` None: read ``TUTORIAL_CUDA_PATHS`` (1 = on), which the test suite sets for
+    its runs and torchrun passes on to every rank. Returns whether the mode is on.
+    ``clip_grad_norm_`` needs nothing: it takes foreach on a CPU already.
+    ``--fused-adamw`` needs nothing either: CPU has had fused AdamW since torch 2.4."""
+    if enabled is None:
+        enabled = os.environ.get(CUDA_PATHS_ENV, "0") == "1"
+    if not enabled:
+        return False
+    import torch.optim.optimizer as optimizer_module
+    import torch.utils._foreach_utils as foreach_utils
+
+    original = getattr(foreach_utils._get_foreach_kernels_supported_devices, "_cuda_paths_original",
+                       foreach_utils._get_foreach_kernels_supported_devices)
+
+    def with_cpu() -> list[str]:
+        return [*original(), "cpu"]
+
+    with_cpu._cuda_paths_original = original
+    # torch.optim.optimizer imported the function by name: replace it in both places.
+    foreach_utils._get_foreach_kernels_supported_devices = with_cpu
+    optimizer_module._get_foreach_kernels_supported_devices = with_cpu
+    return True
+
+
+def optimizer_kernels(optimizer) -> str | None:
+    """Which of PyTorch's three AdamW implementations a step of ``optimizer`` runs: "fused"
+    (one kernel), "foreach" (a few multi-tensor kernels: CUDA's default, and the CPU's in the
+    CUDA-path mode) or "for-loop" (one parameter at a time: the CPU's default). The memory
+    formula asks this: the foreach step holds temporaries the other two do not
+    (common/measure/theory.py). ZeRO-1's wrapper is asked about the optimizer inside it;
+    None for an optimizer that is not torch.optim's (DeepSpeed's)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's inner AdamW
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) or not groups:
+        return None
+    kinds = set()
+    for g in groups:
+        if g.get("fused"):
+            kinds.add("fused")
+        elif g.get("foreach") is not None:
+            kinds.add("foreach" if g["foreach"] else "for-loop")
+        else:  # what AdamW.step decides when told neither
+            kinds.add("foreach" if _default_to_fused_or_foreach(g["params"], False, False)[1] else "for-loop")
+    return "/".join(sorted(kinds))
+
 
 
 def eval_batch_count(tokens: torch.Tensor, args) -> int:
@@ -191,3 +280,6 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
             for group in groups.values():  # PyTorch's foreach kernels take one kind of tensor at a time
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+take_cuda_paths()  # TUTORIAL_CUDA_PATHS=1: in every process that imports this module (every rank)

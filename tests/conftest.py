@@ -15,3 +15,11 @@ sys.path.insert(0, str(ROOT))
 # process keeps its own count (read first, so the variable no longer changes it).
 torch.get_num_threads()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# CUDA's optimizer path on a CPU (common/training.py: take_cuda_paths): every process the suite
+# starts (and this one) runs AdamW's multi-tensor kernels, as every CUDA run does by default,
+# instead of the CPU's one-tensor-at-a-time loop, where DTensor and plain parameters never
+# meet in one kernel. tests/test_readme.py runs the README's commands as a user's CPU does
+# (0). Set before anything imports common.training.
+os.environ.setdefault("TUTORIAL_CUDA_PATHS", "1")
+CUDA_PATHS = os.environ["TUTORIAL_CUDA_PATHS"] == "1"

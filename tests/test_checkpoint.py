@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import os
 import shutil
 import socket
@@ -640,10 +641,16 @@ MP_C = ["--ckpt-every", "2", "--ckpt-keep", "3"]
 MP_R = MP_B + MP_C + ["--resume"]
 MP_PP = ["--schedule", "1f1b", "--microbatches", "2"]
 MP_STEPS = ["0", "1", "2", "3"]
+MP_FP32 = ["--amp", "off"]  # TP and DDP add in other orders: fp32 keeps them within 1e-5 of each other
 MP_PLAN = {
-    "tp": {"script": "tp", "flags": MP_B + MP_C},
+    "tp": {"script": "tp", "flags": MP_B + MP_C + MP_FP32},
     # the driver's restart, without a crash: copy step 1's checkpoint and --resume there
-    "tp_resumed": {"script": "tp", "flags": MP_R, "from": ["tp", 1]},
+    "tp_resumed": {"script": "tp", "flags": MP_R + MP_FP32, "from": ["tp", 1]},
+    # across layouts: TP's optimizer has two parameter groups (DTensor slices, the plain
+    # norms: common/training.py), DDP's one; the state moves by parameter name both ways
+    "ddp": {"script": "ddp", "flags": MP_B + MP_C + MP_FP32},
+    "ddp_from_tp": {"script": "ddp", "flags": MP_R + MP_FP32, "from": ["tp", 1]},
+    "tp_from_ddp": {"script": "tp", "flags": MP_R + MP_FP32, "from": ["ddp", 1]},
     # the 2-D script on 2 ranks (dp 1 x tp 2: its FSDP dimension has nothing to shard)
     "2d": {"script": "2d", "flags": MP_B + MP_C + ["--tp", "2"]},
     "2d_resumed": {"script": "2d", "flags": MP_R + ["--tp", "2"], "from": ["2d", 1]},
@@ -686,6 +693,17 @@ def test_tensor_parallel_resumes_exactly(mp_job):
     assert list(plain["losses"]) == MP_STEPS
     assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
     assert all(resumed["losses"][s] == plain["losses"][s] for s in ("2", "3"))  # bit for bit
+
+
+def test_tensor_parallel_and_ddp_resume_each_other(mp_job):
+    """A TP checkpoint resumed by DDP, and a DDP one by TP: step 3's loss, which follows an
+    update made with the loaded AdamW state, is the uninterrupted run's (to fp32's
+    reduction order); a state lost or mapped to the wrong parameters would move it."""
+    tp, ddp = mp_job["tp"], mp_job["ddp"]
+    assert all(math.isclose(tp["losses"][s], ddp["losses"][s], rel_tol=1e-5) for s in MP_STEPS)
+    for resumed, plain in ((mp_job["ddp_from_tp"], tp), (mp_job["tp_from_ddp"], ddp)):
+        assert list(resumed["losses"]) == ["2", "3"]
+        assert all(math.isclose(resumed["losses"][s], plain["losses"][s], rel_tol=1e-5) for s in ("2", "3"))
 
 
 def test_two_d_script_resumes_exactly(mp_job):

@@ -25,7 +25,7 @@ from common.model import count_params, get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
-from tests.tolerances import check_bf16_parity, check_dry_run, dry_runs
+from tests.tolerances import check_bf16_parity, check_dry_run, check_optimizer_path, dry_runs
 
 TIMEOUT_S = 240  # a hang detector: both jobs take about 30 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 3, 4, 32
@@ -96,6 +96,7 @@ def test_ring_attention_is_full_attention(runs, n):
 def test_parity_with_single_process(runs, n, name):
     r = runs[n]["results"][name]
     assert r["exit_code"] == 0, r["stderr_tail"]
+    check_optimizer_path(r["summary"], next(c for c in CASES[n] if c["name"] == name)["flags"])
     assert len(r["losses"]) == STEPS and r["losses"][-1] != r["losses"][0]
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
         assert math.isclose(got, ref, rel_tol=1e-6), f"step {step}: {got} vs single-process {ref}"

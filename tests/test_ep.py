@@ -27,7 +27,7 @@ from common import ROOT
 from common.measure.theory import Plan, predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
-from tests.tolerances import check_bf16_parity, dry_runs
+from tests.tolerances import check_bf16_parity, check_optimizer_path, dry_runs
 
 TIMEOUT_S = 240  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -45,7 +45,8 @@ CASES = {
     2: [case("ep2"),
         # accumulation: the router's counts are per micro-batch, one process's per batch, so
         # only the language-model loss can match: its weight 0 on both sides
-        case("ep2_accum", "--grad-accum", "2", "--aux-loss-weight", "0", "--no-trace-memory"),
+        case("ep2_accum", "--grad-accum", "2", "--aux-loss-weight", "0", "--no-trace-memory",
+             "--fused-adamw"),  # the experts on their mesh, the rest plain: fused AdamW takes both
         case("bf16_ep2", "--amp", "bf16", "--no-trace-memory"),
         case("err_ep_split", "--n-experts", "3",
              error="the model's 3 experts do not split evenly over 2 expert-parallel ranks; launch a number of "
@@ -100,6 +101,7 @@ def metrics(r) -> list[dict]:
 def test_parity_with_single_process(runs, n, name):
     r = runs[n][name]
     assert r["exit_code"] == 0, r["stderr_tail"]
+    check_optimizer_path(r["summary"], next(c["flags"] for c in CASES[n] if c["name"] == name))
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
         assert math.isclose(got, ref, rel_tol=1e-6), f"step {step}: {got} vs single-process {ref}"
     assert r["losses"][-1] != r["losses"][0]

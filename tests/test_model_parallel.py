@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
 from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
-from tests.tolerances import check_bf16_parity, check_dry_run  # noqa: E402
+from tests.tolerances import check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
 
 TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -61,7 +61,7 @@ CASES = {
              base=TRACED),
         # the savers: AC and accumulation in fp32 (parity), bf16 against one device's bf16
         case("tp2_ac", TP, "--model", "debug", "--ac", "full"),
-        case("tp2_accum", TP, "--model", "debug", "--grad-accum", "2"),
+        case("tp2_accum", TP, "--model", "debug", "--grad-accum", "2", "--fused-adamw"),  # norms plain
         case("pp2_ac", PP, "--model", "debug", "--schedule", "1f1b", "--microbatches", "2", "--ac", "selective"),
         # the zero-bubble V schedules: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zbv with full AC,
         # which must survive a backward run in two halves)
@@ -133,8 +133,9 @@ CASES = {
     # full 2 x 2 x 2 needs 8 ranks; the chapter shows that run). A job of its own: see
     # tools/multirun.py on meshes shared between runs of one job.
     "3d": [
-        case("3d_pp_tp", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2"),
-        case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv"),
+        case("3d_pp_tp", THREE_D, "--model", "debug"),  # the default 4-rank layout: pp 2 x dp 1 x tp 2
+        case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv",
+             "--fused-adamw"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
              "--schedule", "gpipe", *CURVE),
         case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
@@ -189,6 +190,10 @@ def runs(tmp_path_factory):
     return {"results": results, "others": others, "bad": (procs["bad"].returncode, logs["bad"][1])}
 
 
+def case_flags(n, name):
+    return next(c["flags"] for c in CASES[n] if c["name"] == name)
+
+
 def result(runs, n, name):
     return runs["results"][n][name]
 
@@ -198,6 +203,7 @@ def test_parity_with_single_process(runs, n, name):
     r = result(runs, n, name)
     assert r["exit_code"] == 0, r["stderr_tail"]
     assert len(r["losses"]) == STEPS
+    check_optimizer_path(r["summary"], case_flags(n, name))
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
         assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: {got} vs single-process {ref}"
     assert r["losses"][-1] != r["losses"][0]  # it trained

@@ -10,6 +10,7 @@ command). A few representative commands then run end to end, with tiny sizes app
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import runpy
@@ -129,7 +130,8 @@ def test_readme_commands_run(tmp_path):
     cmds = {" ".join(c): c for c in readme_commands()}
     for start in RUN:
         assert any(line.startswith(start) for line in cmds), f"README no longer has `{start}`; update RUN"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # as a user's CPU runs them: AdamW one tensor at a time (the suite's other runs take CUDA's path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TUTORIAL_CUDA_PATHS="0")
 
     def run(i_start):
         i, start = i_start
@@ -151,6 +153,9 @@ def test_readme_commands_run(tmp_path):
         results = list(pool.map(run, enumerate(RUN)))
     failed = [f"{s} (exit {p.returncode}):\n{p.stderr[-1500:]}" for s, p, _ in results if p.returncode]
     assert not failed, "\n\n".join(failed)
+    # the CPU's own AdamW path (the rest of the suite runs CUDA's): one tensor at a time
+    kernels = {json.loads(f.read_text()).get("optimizer_kernels") for f in tmp_path.glob("run*/summary.json")}
+    assert kernels == {"for-loop"}, kernels
     for s, _, dt in results:
         print(f"{dt:5.1f} s  {s}")
 

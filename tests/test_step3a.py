@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.measure.theory import comm_bytes, model_state, padded_shard_numel, param_shapes, unsharded_bytes  # noqa: E402
 from common.model import count_params, get_config  # noqa: E402
-from tests.tolerances import check_bf16_parity, check_dry_run  # noqa: E402
+from tests.tolerances import check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
 
 CFG = get_config("debug")
 N = count_params(CFG)
@@ -148,6 +148,7 @@ def test_every_strategy_matches_the_single_process_run(job):
         # a weight by up to ~lr; all else agrees to ~1e-7.
         assert run["weights"]["max_abs"] < 1e-5, (name, run["weights"])
         assert run["summary"]["world_size"] == job["world"]
+        check_optimizer_path(run["summary"], PLANS[job["world"]][name][1])  # CUDA's kernels
 
 
 def test_the_validation_curve_is_the_single_process_one(job):

@@ -1,6 +1,19 @@
 """Tolerances the parity tests share, each derived rather than picked."""
 from __future__ import annotations
 
+import os
+
+# tests/conftest.py: the suite's runs take CUDA's optimizer path on a CPU (common/training.py)
+CUDA_PATHS = os.environ.get("TUTORIAL_CUDA_PATHS") == "1"
+
+
+def check_optimizer_path(summary: dict, flags=()) -> None:
+    """The run took the AdamW kernels a GPU would: foreach by default in the suite's
+    CUDA-path mode (one tensor at a time if the mode is off), fused with --fused-adamw. A
+    layout mixing DTensor and plain parameters fails here if its groups mix them."""
+    want = "fused" if "--fused-adamw" in flags else "foreach" if CUDA_PATHS else "for-loop"
+    assert summary["optimizer_kernels"] == want, (summary["optimizer_kernels"], want)
+
 
 def bf16_gap(ref16: list[float], ref32: list[float]) -> float:
     """How far bf16 moves the one-device run's losses from fp32 (the largest step)."""
@@ -31,6 +44,7 @@ def check_dry_run(dry: dict, real: dict, rank: int, world: int, received: int = 
     still hold at its activation peak and a lone one does not (a schedule with two stages
     a rank posts receives ahead; a fake receive completes at once)."""
     assert dry["dry_run"] == {"rank": rank, "world_size": world}
+    assert dry["optimizer_kernels"] == real["optimizer_kernels"]
     (memory,) = dry["memory"]
     assert memory["rank"] == rank
     state = lambda m: {k: v for k, v in m["before_optimizer"].items() if k != "other"}  # noqa: E731

@@ -410,7 +410,8 @@ class Plan:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     loss_parallel: bool = True
-    device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v, AdamW's temporaries)
+    device: str = "cpu"               # whose kernels: "cpu" or "cuda" (attention's saved k/v)
+    optimizer: str | None = None      # AdamW's kernels: foreach, fused or for-loop (None: the device's default)
     ep: int | None = None             # expert-parallel degree (strategy "ep"; default: the world size)
     notes: list = field(default_factory=list)
     cp: int | None = None             # context-parallel degree (strategies cp, cp_fsdp; default: the world size)
@@ -423,6 +424,8 @@ class Plan:
             self.tp = self.world
         if self.strategy == "pp" and self.pp == 1:
             self.pp = self.world
+        if self.optimizer is None:  # what torch.optim picks when told neither foreach nor fused
+            self.optimizer = "foreach" if self.device == "cuda" else "for-loop"
 
     @property
     def dp(self) -> int:
@@ -502,7 +505,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
       AC, where the activations are small and the gradients are not);
     - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
       AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
-      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time.
+      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, and
+      ``--fused-adamw`` runs one kernel that holds none (``plan.optimizer``).
     FSDP's gathered weights and unsharded gradients count at the first two.
     Returns (peak, which moment, the optimizer's temporaries).
     """
@@ -513,7 +517,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
     rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
     # half the state: one fp32 value a parameter (the few bytes of step counters aside)
-    temporaries = state_bytes // 2 if plan.device == "cuda" else 0
+    temporaries = state_bytes // 2 if plan.optimizer == "foreach" else 0
     full = out["parameters"] + out["gradients"] + state_bytes
     moments = {"end of forward": base + cache, "start of backward": base + rebuilt,
                "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
