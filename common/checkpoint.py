@@ -369,6 +369,8 @@ class Checkpointer:
         self._all_ok(error, partial, step)
         background = self.args.ckpt_async and not blocking
         try:
+            # CUDA path: no CPU test: CUDA's generator state exists only with a GPU; tools/gpu_check.py resumes
+            # a CUDA run
             torch.save({"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
                        partial / f"rng_rank{self.ctx.rank}.pt")
@@ -506,6 +508,7 @@ class Checkpointer:
         if rng.exists() and meta["world_size"] == self.ctx.world_size:
             saved = torch.load(rng, map_location="cpu", weights_only=False)  # RNG states are host tensors
             torch.set_rng_state(saved["cpu"])
+            # CUDA path: no CPU test: as at the save, CUDA's generator exists only with a GPU
             if saved["cuda"] is not None and self.ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(saved["cuda"])
         self.ctx.print(f"resumed from {path} (step {meta['step']}, saved by {meta['world_size']} rank(s))")

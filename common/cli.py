@@ -160,6 +160,7 @@ def _check_it_can_fit(args):
     if (getattr(args, "fake_world_size", None) or 0) > 1:  # a dry run's rank is one of that many machines
         nodes = args.fake_world_size
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    # CUDA path: no CPU test: the GPUs' memory is the CUDA runtime's to tell; a CPU run's limit is its RAM
     gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) \
         if torch.cuda.is_available() else 0
     have = max(ram or 0, gpus)

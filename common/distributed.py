@@ -85,6 +85,9 @@ def resolve_device(device: str, local_rank: int, local_world_size: int, device_c
     local rank 1, and there is no GPU 5). ``device_count``: the GPUs visible, by default
     the real count; a test passes one to ask what a rank would choose on a GPU node."""
     if device_count is None:
+        # CUDA path: tests/test_distributed.py takes it with a GPU count given (device_count)
+        # CUDA path: tests/test_distributed.py::test_ranks_take_their_local_gpu_given_a_gpu_count,
+        # tests/test_distributed.py::test_cuda_without_a_gpu_is_a_clear_error
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
         device = "cuda" if device_count else "cpu"
@@ -155,6 +158,7 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, dev = rank_device(device)  # LOCAL_RANK's GPU, not RANK's: see resolve_device
+    # CUDA path: tests/test_cuda_paths.py::test_a_gpu_rank_binds_its_gpu_before_the_process_group
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise UserError("--backend nccl needs CUDA GPUs; use gloo on CPU.")
@@ -164,6 +168,7 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
         torch.cuda.set_device(dev)
     # device_id binds NCCL to this GPU at once (its barrier and the meshes' groups know it);
     # on a CPU device it raises.
+    # CUDA path: tests/test_cuda_paths.py::test_a_gpu_rank_binds_its_gpu_before_the_process_group
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     if not launched:  # plain python: a process group of one, so meshes and DDP still work
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
@@ -237,6 +242,7 @@ def _dry_run(device: str, world: int, rank: int):
         raise UserError("--fake-world-size runs one rank in one process: start it with plain python, not torchrun.")
     if world < 1 or not 0 <= rank < world:
         raise UserError(f"--fake-rank {rank} is not a rank of --fake-world-size {world}; use 0 to {world - 1}.")
+    # CUDA path: tests/test_cuda_paths.py::test_a_dry_run_on_a_gpu_binds_it
     dev = resolve_device(device, 0, 1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

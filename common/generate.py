@@ -231,6 +231,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, cont
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = prompt
     cache = KVCache(model, prompt.shape[0], context) if kv_cache else None
+    # CUDA path: no CPU test: CUDA's synchronize does not exist on a CPU (the timing waits for the GPU)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -244,6 +245,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, cont
             logits = forward_cached(model, feed, cache)
         feed = next_token(logits, temperature, top_k, generator)
         tokens = torch.cat([tokens, feed], dim=1)
+    # CUDA path: no CPU test: CUDA's synchronize does not exist on a CPU
     if device.type == "cuda":
         torch.cuda.synchronize()
     return tokens, time.perf_counter() - start

@@ -166,6 +166,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + swapped * sin
 
 
+
+def kv_for_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str):
+    """(k, v, grouped) as the attention kernel takes them. Grouped-query attention (fewer k/v
+    heads than q heads) runs as it is (``enable_gqa``), except on CUDA in fp32: CUDA's
+    grouped kernel (flash) is half/bf16 only, and fp32 with enable_gqa would fall back to
+    the math kernel, which stores the seq x seq scores; there each k/v head is repeated for
+    its q heads instead.
+    CUDA path: tests/test_cuda_paths.py::test_fp32_grouped_attention_takes_the_expanded_heads_on_cuda"""
+    grouped = k.shape[2] != q.shape[2]
+    if grouped and device_type == "cuda" and q.dtype == torch.float32:
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+        grouped = False
+    return k, v, grouped
+
 class Attention(nn.Module):
     # The attention kernel, (q, k, v, is_causal, enable_gqa) in SDPA's layout: context
     # parallelism swaps in its ring from outside (common/parallelize/cp.py).
@@ -186,13 +201,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        grouped = k.shape[2] != q.shape[2]  # grouped-query attention: each k/v head serves several q heads
-        if grouped and x.device.type == "cuda" and q.dtype == torch.float32:
-            # CUDA's grouped-query kernel (flash) is half/bf16 only: fp32 with enable_gqa
-            # would fall back to the math kernel, which stores the seq x seq scores.
-            k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-            v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-            grouped = False
+        k, v, grouped = kv_for_kernel(q, k, v, x.device.type)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 

@@ -205,12 +205,14 @@ def global_loss(loss: torch.Tensor, dp_group=None, dp_size: int = 1) -> torch.Te
 # ---- what the device supports -------------------------------------------------------------
 def amp_unsupported(device: torch.device, amp: str) -> str | None:
     """Why ``--amp`` cannot run on ``device`` (one sentence), or None if it can."""
+    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses (both branches)
     if amp == "fp16" and device.type != "cuda":
         # PyTorch can autocast to fp16 on a CPU, but without fp16 arithmetic units it
         # emulates it: measured here, an fp16 matmul ran 2.3x slower than fp32, and bf16
         # 2.4x faster. fp16 with loss scaling is a GPU recipe.
         return ("--amp fp16 needs a CUDA GPU (a CPU emulates fp16 arithmetic, slower than fp32); "
                 "use --amp bf16, which needs no loss scaling, or --amp off.")
+    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses
     if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return (f"--amp bf16: {torch.cuda.get_device_name(device)} has no bf16 support (it needs an "
                 f"Ampere or newer GPU); use --amp fp16, which adds loss scaling.")
@@ -229,6 +231,7 @@ def fused_adamw_unsupported(device: torch.device) -> str | None:
 
 
 def compile_unsupported(device: torch.device) -> str | None:
+    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses (no Triton)
     if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         return "--compile on CPU needs a C++ compiler (g++ or clang++) on the PATH; install one or drop --compile."
     if device.type == "cuda":

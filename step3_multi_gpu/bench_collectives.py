@@ -232,6 +232,7 @@ def main():
     check_message_size(args.max_size)
     with distributed(args.device) as ctx:
         require_launcher(ctx, "step3_multi_gpu/bench_collectives.py")
+        # CUDA path: no CPU test: a default size and the GPU's name; NCCL itself needs GPUs
         max_size = args.max_size or (256 * 2**20 if ctx.device.type == "cuda" else 32 * 2**20)
         if max_size < args.min_size:
             raise UserError(f"--max-size {max_size} is below --min-size {args.min_size}.")
@@ -239,6 +240,7 @@ def main():
         rows = run(ctx, ops, sizes, args.iters, args.budget, args.blocks)
         if ctx.is_main:
             n = ctx.world_size
+            # CUDA path: no CPU test: the GPU's name
             name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU"
             header = f"### Collectives: {n} ranks, {ctx.backend} on {name}, float32, torch {torch.__version__}"
             ar = [r for r in rows if r["op"] == "all_reduce"]

@@ -187,6 +187,7 @@ def main():
     if args.gpus is not None and args.gpus < 2:  # checked first: the CPU explanation would use it
         raise UserError(f"--gpus {args.gpus}: the comparison needs at least 2 GPUs.")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # CUDA path: no CPU test: nn.DataParallel runs on GPUs only; the script refuses a CPU in one sentence
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cpu" or visible < 2:
         found = "this run is on CPU" if args.device == "cpu" else (

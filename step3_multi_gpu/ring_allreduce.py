@@ -245,6 +245,7 @@ def main():
     check_message_size(args.max_size)
     with distributed(args.device) as ctx:
         require_launcher(ctx, "step3_multi_gpu/ring_allreduce.py")
+        # CUDA path: no CPU test: a default size, nothing else differs; NCCL itself needs GPUs
         max_size = args.max_size or (256 * 2**20 if ctx.device.type == "cuda" else 16 * 2**20)
         if max_size < args.min_size:
             raise UserError(f"--max-size {max_size} is below --min-size {args.min_size}.")

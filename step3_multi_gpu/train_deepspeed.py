@@ -33,6 +33,8 @@ BUCKET = 25 * 2**20 // 4  # elements: DDP's default bucket_cap_mb of fp32
 def import_deepspeed(device: str):
     """deepspeed, or one sentence saying how to get it. Its accelerator is chosen when it is
     first imported: CPU unless a GPU is asked for and present."""
+    # CUDA path: no CPU test: DeepSpeed's CUDA accelerator needs a GPU (tests/test_deepspeed.py runs its CPU
+    # one)
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:

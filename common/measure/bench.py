@@ -51,6 +51,8 @@ def fmt_size(b: float) -> str:
     return fmt_bytes(b, ".4g")
 
 
+# CUDA path: no CPU test: CUDA's runtime (events, synchronize) does not exist on a CPU; tools/gpu_check.py runs
+# it
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

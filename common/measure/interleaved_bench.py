@@ -21,6 +21,8 @@ from common.parallelize.ac import apply_ac
 from common.training import AMP_DTYPES, adamw
 
 
+# CUDA path: no CPU test: CUDA's runtime (events, synchronize) does not exist on a CPU; tools/gpu_check.py runs
+# it
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

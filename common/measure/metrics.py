@@ -37,6 +37,7 @@ PEAK_FLOPS = {
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
     """(peak FLOP/s, device name); None where we do not know the device's peak."""
+    # CUDA path: tests/test_cuda_paths.py::test_peak_flops_by_gpu_name
     if device.type != "cuda":
         return None, cpu_name()
     name = torch.cuda.get_device_name(device)
@@ -76,6 +77,7 @@ def tensorboard_writer():
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
     """The step's peak memory: the CUDA allocator's, or the process's peak RSS on CPU."""
+    # CUDA path: no CPU test: the CUDA allocator's peak; a CPU reports the process's peak RSS
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_peak_rss"
@@ -168,6 +170,8 @@ class Metrics:
                 return lines[:-1]
         return lines
 
+    # CUDA path: no CPU test: the CUDA allocator's peak statistics and events exist only with a GPU;
+    # tools/gpu_check.py runs them
     def _start(self):
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
@@ -175,6 +179,7 @@ class Metrics:
 
     def _now(self):
         """A point on the clock the step times are read from: an event queued on the GPU, or the host's time."""
+        # CUDA path: no CPU test: CUDA's events exist only with a GPU; tools/gpu_check.py times with them
         if self.ctx.device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -221,6 +226,7 @@ class Metrics:
             self._pending = None
         if evaluate is not None:
             self._t = resume  # the next step starts after the evaluation
+        # CUDA path: no CPU test: the CUDA allocator's peak statistics exist only with a GPU
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         return done

@@ -105,6 +105,8 @@ class Profile:
             yield
             return
         if step == self.steps[0]:
+            # CUDA path: no CPU test: CUDA's runtime (events, synchronize) does not exist on a CPU;
+            # tools/gpu_check.py runs it
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -114,6 +116,7 @@ class Profile:
         with torch.profiler.record_function(f"step {step}"):
             yield
         if step == self.steps[-1]:
+            # CUDA path: no CPU test: CUDA's synchronize does not exist on a CPU
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             # the whole window, the logging between the steps included (its loss all-reduce too)

@@ -107,6 +107,8 @@ class HostCopy:
         _newest += 1
         self.number = _newest
         self.event = None
+        # CUDA path: no CPU test: CUDA's runtime (events, synchronize) does not exist on a CPU;
+        # tools/gpu_check.py runs it
         if device.type == "cuda":  # timed: Metrics measures the step time between two of them
             self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
@@ -164,6 +166,8 @@ class SyncCounter:
         reads its last step's numbers at once, on purpose)."""
         return self.per_step(self.steps[1:-1])
 
+    # CUDA path: no CPU test: set_sync_debug_mode watches CUDA's synchronising calls; a CPU has none, so its
+    # scalar reads are counted instead (tests/test_syncs.py); tools/gpu_check.py counts on a GPU
     def __enter__(self):
         if self.device.type == "cuda":
             self._warnings = warnings.catch_warnings(record=True)

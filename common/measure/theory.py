@@ -347,6 +347,8 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", a
         replicated, sharded = b * 2 * d, b * (2 * d + 2 * kv + 2 * f) + 4 * h
         block_input = 4 * d // (tp if sequence_parallel else 1)
         return tokens * (block_input + replicated + sharded // tp)
+    # CUDA path: the formula for CUDA's kernels, computed on any machine:
+    # tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
     if device == "cuda" and dtype == "fp32":
         kv = d  # the k and v attention saves: copied to every query head (no change without GQA)
     if dtype == "fp32":
@@ -425,6 +427,7 @@ class Plan:
         if self.strategy == "pp" and self.pp == 1:
             self.pp = self.world
         if self.optimizer is None:  # what torch.optim picks when told neither foreach nor fused
+            # CUDA path: tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
             self.optimizer = "foreach" if self.device == "cuda" else "for-loop"
 
     @property
@@ -683,6 +686,8 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
     if not ctx.is_main:
         return None
     from common.measure.memory import STAGING, fmt_bytes
+    # CUDA path: no CPU test: which kernels' formula a run is held to follows its device; gpu_check holds CUDA
+    # runs to it
     plan_kwargs.setdefault("device", "cuda" if ctx.device.type == "cuda" else "cpu")
     plan = Plan(args.model_config, strategy, world=ctx.world_size, batch=args.global_batch_size,
                 seq_len=args.seq_len, **plan_kwargs)
@@ -742,6 +747,7 @@ def cp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, cp: int, bytes
     if cp == 1:
         return {}
     width = cfg.n_kv_heads * cfg.head_dim
+    # CUDA path: tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
     if device == "cuda" and bytes_per_el == 4:
         width = cfg.dim  # the model copies k and v to every query head first (CUDA's fp32 kernel)
     kv = 2 * batch * (seq_len // cp) * width
@@ -769,6 +775,7 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
     seqs = plan.batch // dp // plan.accum
     # (in bf16 the whole tables' cast, which one device keeps, is a temporary here)
     out["activations"] += b * 2 * local * cfg.head_dim - (b * 2 * cfg.max_seq_len * cfg.head_dim if b == 2 else 0)
+    # CUDA path: tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
     width = cfg.dim if plan.device == "cuda" and b == 4 else cfg.n_kv_heads * cfg.head_dim
     ring = {"ring: key/value blocks in flight": 2 * 2 * seqs * local * width * b,
             "ring: one block's scores and probabilities (fp32)": 2 * 4 * seqs * cfg.n_heads * local * local}

@@ -171,6 +171,7 @@ def _no_cuda_sync_on_cpu(device: torch.device):
     for a CPU bucket, which raises "Expected a cuda device, but got: cpu" on a GPU machine
     whose ranks train on the CPU (torch 2.11 to 2.13). A CPU bucket needs no CUDA sync:
     skip it for CPU devices while the hook runs; CUDA buckets keep the real call."""
+    # CUDA path: tests/test_cuda_paths.py::test_powersgd_skips_cudas_synchronize_for_a_cpu_bucket
     if device.type == "cuda" or not torch.cuda.is_available():
         yield
         return

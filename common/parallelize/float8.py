@@ -44,6 +44,7 @@ def _torchao_float8():
 def float8_unsupported(device: torch.device) -> str | None:
     """Why float8 cannot train on this device (None: it can). CPU runs it emulated:
     correct but slow, a lesson in what float8 does and not a way to speed anything up."""
+    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         return (f"--float8 needs a GPU with float8 tensor cores (compute capability 8.9 or newer: L4, L40, "
