@@ -656,12 +656,49 @@ def _union(modules) -> torch.nn.Module:
 LOCK = ".run.lock"
 
 
+def keep_finished_run(args, ctx) -> str | None:
+    """A finished run's folder is never replaced in silence. Running a script again with the
+    same --out (the default runs/<script> too) moves the finished run (its summary.json
+    says it finished) aside, to ``<out>@<when it finished>``, and says so; the new run
+    writes into ``<out>``, which thus always holds the latest run, and the older ones sit
+    beside it with their dates. Not with --resume from a checkpoint there (it continues the
+    run in place, or says why it cannot), nor in a torchrun restart (the same run, started
+    again). Rank 0 moves; returns the line it printed, or None."""
+    out = Path(args.out)
+    summary = out / "summary.json"
+    resumes = getattr(args, "resume", False) and complete_checkpoints(out / "checkpoints")
+    if not ctx.is_main or resumes or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        return None
+    if not summary.exists():
+        return None
+    when = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(summary.stat().st_mtime))
+    aside = out.with_name(f"{out.name}@{when}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = out.with_name(f"{out.name}@{when}.{n}")
+    try:
+        about = json.loads(summary.read_text())
+        what = f"{about.get('script', '?')}, {about.get('world_size', '?')} rank(s), {about.get('steps', '?')} steps"
+    except (OSError, ValueError):
+        what = "its summary unreadable"
+    out.rename(aside)
+    out.mkdir(parents=True)
+    line = (f"--out {out} held a finished run ({what}); moved it to {aside} so that nothing is lost. This run "
+            f"writes into {out}.")
+    print(line, flush=True)
+    return line
+
+
 def lock_out(args, ctx) -> Path | None:
     """One live run per --out: two runs writing into one folder would mix their metrics and
     overwrite each other's checkpoints. Rank 0 writes ``<out>/.run.lock`` (its pid and host)
     and every rank gets its verdict. A lock whose process is gone (a killed run) is stale and
-    taken over; so is one of this very process (a harness running several scripts)."""
+    taken over; so is one of this very process (a harness running several scripts). A
+    finished run found there is moved aside first (``keep_finished_run``)."""
     verdict, path = None, Path(args.out) / LOCK
+    if ctx.is_main and not path.exists():
+        keep_finished_run(args, ctx)
     if ctx.is_main:
         host = socket.gethostname()
         try:

@@ -39,7 +39,8 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--data", default="stdlib",
                    help="'stdlib' (this Python's standard library source, the default), 'synthetic' "
                         "(random bytes) or a path to a text file or a folder of them")
-    g.add_argument("--out", default=None, help="output folder (default: runs/<script name>)")
+    g.add_argument("--out", default=None, help="output folder (default: runs/<script name>); a finished run found there "
+                   "is moved aside to <out>@<date>, never overwritten")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     g.add_argument("--trace-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="record the memory timeline of a few steps and draw it (default: on)")

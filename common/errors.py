@@ -1,8 +1,10 @@
 """Misuse is reported as one sentence and a non-zero exit, never as a traceback."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import traceback
 from functools import wraps
 
@@ -21,11 +23,28 @@ class Preempted(Exception):
     """Every rank stopped at one step after a signal and saved it; the message says where."""
 
 
+def tell_torchrun(line: str) -> None:
+    """Leave ``line`` where torchrun looks when a rank fails: the error file it names in
+    TORCHELASTIC_ERROR_FILE (what ``torch.distributed.elastic...errors.record`` writes). Its
+    end-of-job summary ("Root Cause (first observed failure)") then shows the line in its
+    ``traceback`` field, the last thing on screen, instead of "<N/A>" and a link. A string
+    message is shown as it is. Nothing to do outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the summary falls back to "<N/A>": the line was printed above it all the same
+
+
 def main_guard(fn):
     """Run ``fn``; turn a UserError into one line on stderr and exit code 2.
 
     Under torchrun every rank prints, prefixed with its rank, so an error that only one
-    rank hits is not hidden behind torchrun's summary.
+    rank hits is not hidden behind torchrun's summary; the same line ends that summary
+    (``tell_torchrun``).
     """
 
     @wraps(fn)
@@ -36,6 +55,7 @@ def main_guard(fn):
             world = int(os.environ.get("WORLD_SIZE", "1"))
             prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
             print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+            tell_torchrun(f"error: {e}")
             sys.exit(EXIT_USER_ERROR)
         except Preempted as e:
             if os.environ.get("RANK", "0") == "0":  # the same sentence on every rank: said once
@@ -55,6 +75,7 @@ def main_guard(fn):
                     hint += f"; {culprit.HANG['culprit']}"  # from every rank's flight recorder
             print(f"[rank {os.environ.get('RANK', '0')}] failed: {type(e).__name__}: {msg}{hint}",
                   file=sys.stderr, flush=True)
+            tell_torchrun(f"failed: {type(e).__name__}: {msg}{hint} (the traceback is above)")
             sys.exit(1)
 
     return wrapper

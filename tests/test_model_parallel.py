@@ -459,6 +459,10 @@ def test_bad_mesh_shape_exits_without_hanging(runs):
     assert "error: a 3 x 2 mesh (dp, tp) needs 6 ranks but 4 were launched" in stderr
     workers = stderr.split("failed (exitcode")[0]  # what follows is torchrun's own report
     assert "Traceback" not in workers
+    # torchrun's summary ends with the sentence (common/errors.py: tell_torchrun), not "<N/A>"
+    last = [line for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= {"="}][-1]
+    assert last.strip() == ("traceback : error: a 3 x 2 mesh (dp, tp) needs 6 ranks but 4 were launched; make the "
+                            "product equal the world size."), stderr[-1500:]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

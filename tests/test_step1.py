@@ -166,6 +166,31 @@ def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
     assert not lock.exists()  # released at the end
 
 
+def test_a_finished_run_is_moved_aside_not_overwritten(monkeypatch, tmp_path, capsys):
+    """Running again into the same --out keeps the finished run, beside it with its date,
+    and says where; the folder itself holds the newest run. --resume continues in place."""
+    out = tmp_path / "train"
+    assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(out)])[0] == 0
+    first = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out)])[0] == 0
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("train@")]
+    said = capsys.readouterr().out
+    assert (f"--out {out} held a finished run (train, 1 rank(s), 2 steps); moved it to {aside} so that "
+            f"nothing is lost. This run writes into {out}.") in said
+    assert (aside / "metrics.jsonl").read_text() == first and (aside / "summary.json").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    # --resume with no checkpoint to continue from starts from step 0: the finished run moves too
+    assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out), "--resume"])[0] == 0
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("train@")]) == 2
+    # --resume from a checkpoint is the same run, continued: nothing moves (here: nothing left to train)
+    assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out), "--ckpt-every", "2"])[0] == 0
+    capsys.readouterr()
+    assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out), "--ckpt-every", "2", "--resume"])[0] == 2
+    assert "nothing is left to train" in capsys.readouterr().err
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("train@")]) == 3
+
+
 def test_a_model_no_machine_here_could_hold_is_refused_before_any_work(monkeypatch, capsys):
     """--n-layers 1000000 used to build until killed: 16 bytes a parameter is checked first."""
     code, _ = _main(monkeypatch, ["--n-layers", "1000000", "--device", "cpu"])
