@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from common import cli
 from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
+from common.data import pins_for
 from common.distributed import launch_hint
 from common.errors import UserError
 from common.measure import theory
@@ -69,6 +70,8 @@ class Run:
         skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
         # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
         part = self.models if len(self.models) > 1 else self.models[0]
+        if data is not None:  # a CUDA run's batches in pinned memory, for the copy that does not wait
+            data.pin_memory = pins_for(ctx.device)
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel, can_save=checkpoints)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
