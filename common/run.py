@@ -178,8 +178,8 @@ class Run:
         # The last step's held-out loss where --eval-every measured it already, else measured now
         last = self.metrics.last_val
         val_loss = last[1] if last and last[0] == a.steps - 1 else self._validate()
-        if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
-            save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
+        if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them, one copy per stage
+            save_full_weights(self.models, ctx, a.out / "weights.pt", pp=self.parallel.get("pp", 1))
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"
                                   f"{'s' if ctx.world_size > 1 else ''}: {a.model} model, batch "
                                   f"{a.global_batch_size} x {a.seq_len} tokens, {ctx.device.type}")
