@@ -279,9 +279,11 @@ def test_two_nodes_on_one_machine_match_step1(jobs):
 def test_each_rank_of_a_second_node_takes_its_local_gpu(jobs):
     """On the second "node", ranks 2 and 3 are local ranks 0 and 1: with two GPUs a node they
     take cuda:0 and cuda:1 (cuda:2 and cuda:3 do not exist there), and nodes of one GPU are
-    refused in one sentence. Asked of the scripts' own device choice, in the real launch."""
+    refused in one sentence. Asked of the scripts' own device choice, in the real launch.
+    The rehearsal itself hides the GPUs from its ranks (two pretend nodes would share them)."""
     choices = json.loads((jobs.folder / "devices_4.json").read_text())
     assert [(c["rank"], c["local_rank"]) for c in choices] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert [c["visible_gpus"] for c in choices] == [""] * 4
     assert [c["device"] for c in choices] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert all(c["one_gpu"] == "2 ranks per node but only 1 visible GPU(s); NCCL needs one GPU per rank: use "
                "--nproc-per-node 1 or run on CPU with --device cpu." for c in choices)
