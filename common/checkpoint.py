@@ -833,39 +833,51 @@ if __name__ == "__main__":
 
 
 # ---- one plain file of full weights, for inference ---------------------------------------
-def full_state_dict(modules: list[torch.nn.Module], ctx, merge_ranks: bool = False) -> dict[str, torch.Tensor] | None:
-    """Gather the trained weights back into one plain state dict on rank 0 (None elsewhere).
+def full_state_dict(modules: list[torch.nn.Module], ctx, pp: int = 1) -> dict[str, torch.Tensor] | None:
+    """Gather the trained weights back into one plain state dict in rank 0's host memory
+    (None elsewhere), one tensor at a time.
 
-    DTensor shards (TP, FSDP) are gathered with ``full_tensor()``. ``merge_ranks``: the
-    ranks hold different parameters (pipeline stages); rank 0 collects and merges them,
-    which works because every stage keeps the full model's parameter names. Every rank
-    must call this.
+    DTensor shards (TP, FSDP) are gathered with ``full_tensor()`` by the ranks that share
+    them. ``pp``: pipeline stages, the outermost dimension of the mesh (ranks s * W/pp to
+    (s + 1) * W/pp - 1 hold stage s, as their data- and tensor-parallel copies). Only the
+    first rank of each stage sends, tensor by tensor; rank 0 receives each on its device and
+    moves it to the host before the next. Every stage keeps the full model's parameter names,
+    so the parts merge by name. Every rank must call this.
     """
-    mine = {}
+    per_stage = ctx.world_size // pp if pp > 1 and ctx.has_peers else ctx.world_size
+    sends = ctx.rank % per_stage == 0 and not ctx.is_main  # the one copy of its stage, to rank 0
+    out = {} if ctx.is_main else None
     # 2-D (FSDP over TP) shards gather in two steps and DTensor logs that this is slow;
     # once per checkpoint it does not matter.
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     level, log.level = log.level, logging.ERROR
     try:
-        for m in modules:
-            m = getattr(m, "module", m)  # DDP's wrapper: its keys would start with "module."
-            for k, v in m.state_dict().items():
-                v = v.full_tensor() if isinstance(v, DTensor) else v
-                mine[k] = v.detach().cpu()
+        mine = [(k, v) for m in modules for k, v in getattr(m, "module", m).state_dict().items()]  # (DDP's wrapper)
+        if sends:
+            dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in mine]], dst=0)
+        for k, v in mine:
+            v = v.full_tensor() if isinstance(v, DTensor) else v  # every rank of the stage takes part
+            if out is not None:
+                out[k] = v.detach().cpu()
+            elif sends:
+                dist.send(v.detach().to(ctx.device).contiguous(), dst=0)
+            del v
     finally:
         log.setLevel(level)
-    if not merge_ranks or ctx.world_size == 1:
-        return mine if ctx.is_main else None
-    parts = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(mine, parts, dst=0)
-    if not ctx.is_main:
-        return None
-    return {k: v for part in parts for k, v in part.items()}
+    if out is not None:
+        for src in range(per_stage, ctx.world_size, per_stage):
+            box = [None]
+            dist.recv_object_list(box, src=src)
+            for k, shape, dtype in box[0]:
+                buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+                dist.recv(buf, src=src)
+                out[k] = buf.cpu()
+    return out
 
 
-def save_full_weights(modules: list[torch.nn.Module], ctx, path, merge_ranks: bool = False):
+def save_full_weights(modules: list[torch.nn.Module], ctx, path, pp: int = 1):
     """``full_state_dict`` then ``torch.save`` on rank 0: the checkpoint a single process can load."""
-    state = full_state_dict(modules, ctx, merge_ranks)
+    state = full_state_dict(modules, ctx, pp)
     if state is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)

@@ -130,6 +130,14 @@ class TokenWindows(Dataset):
         return w[:-1], w[1:]
 
 
+def pins_for(device: torch.device | str) -> bool:
+    """Whether a run on ``device`` stages its batches in pinned (page-locked) memory: a CUDA
+    run's only. The GPU copies from pinned memory by itself, so the scripts'
+    ``.to(device, non_blocking=True)`` returns at once; a copy from ordinary memory makes the
+    host wait. A CPU run pins nothing, even in a process where CUDA is initialised."""
+    return torch.device(device).type == "cuda"
+
+
 class Batches:
     """An endless iterator over (inputs, targets) batches of this rank's share.
 
@@ -137,6 +145,7 @@ class Batches:
     forget it and every epoch repeats the first one's order. ``state_dict`` is the
     position (epoch, global batches consumed in it): the same on every rank and for any
     world size, so a resumed run continues with exactly the batch it would have seen.
+    ``pin_memory``: each batch in pinned memory (``Run`` sets it, ``pins_for`` the run's device).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch_size: int,
@@ -154,6 +163,7 @@ class Batches:
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // dp_size,
                                  sampler=self.sampler, drop_last=True)
         self.epoch, self.position = 0, 0
+        self.pin_memory = False
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -162,10 +172,6 @@ class Batches:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def __iter__(self):
-        # In a process that uses the GPU, each batch goes into pinned (page-locked) memory,
-        # from which the GPU copies it by itself: the scripts' .to(device, non_blocking=True)
-        # then returns at once. A copy from ordinary memory makes the host wait for the GPU.
-        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
         while True:
             self.sampler.set_epoch(self.epoch)
             batches = iter(self.loader)
@@ -173,5 +179,7 @@ class Batches:
                 next(batches)
             for batch in batches:
                 self.position += 1
-                yield [t.pin_memory() for t in batch] if pin else batch
+                if self.pin_memory:  # (rebound: the unpinned batch is not kept alive beside the pinned one)
+                    batch = [t.pin_memory() for t in batch]
+                yield batch
             self.epoch, self.position = self.epoch + 1, 0

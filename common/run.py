@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from common import cli
 from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
+from common.data import pins_for
 from common.distributed import launch_hint
 from common.errors import UserError
 from common.measure import theory
@@ -72,6 +73,8 @@ class Run:
         skip_nonfinite_step(optimizer, ctx, enabled=args.on_nan == "skip")  # --on-nan skip
         # A part is what shares one optimizer: several pipeline stages, saved by parameter name.
         part = self.models if len(self.models) > 1 else self.models[0]
+        if data is not None:  # a CUDA run's batches in pinned memory, for the copy that does not wait
+            data.pin_memory = pins_for(ctx.device)
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel, can_save=checkpoints)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
@@ -178,8 +181,8 @@ class Run:
         # The last step's held-out loss where --eval-every measured it already, else measured now
         last = self.metrics.last_val
         val_loss = last[1] if last and last[0] == a.steps - 1 else self._validate()
-        if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them
-            save_full_weights(self.models, ctx, a.out / "weights.pt", merge_ranks="pp" in self.parallel)
+        if a.save_weights:  # pipeline ranks hold different layers: rank 0 merges them, one copy per stage
+            save_full_weights(self.models, ctx, a.out / "weights.pt", pp=self.parallel.get("pp", 1))
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"
                                   f"{'s' if ctx.world_size > 1 else ''}: {a.model} model, batch "
                                   f"{a.global_batch_size} x {a.seq_len} tokens, {ctx.device.type}")

@@ -30,7 +30,7 @@ from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.float8 import convert_float8, float8_unsupported, precompute_fsdp_scales
-from common.parallelize.fsdp import apply_fsdp
+from common.parallelize.fsdp import apply_fsdp, materialize
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
@@ -86,7 +86,8 @@ def main(argv=None):
         apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
                    param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload)
         apply_compile(model, args.compile)  # per block, after fully_shard: its hooks stay outside the graphs
-        model.to_empty(device=ctx.device)
+        # (--cpu-offload: the shards on the host, where FSDP keeps them; the RoPE tables on the device)
+        materialize(model, ctx.device, cpu_offload=args.cpu_offload)
         model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
         optimizer = adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
         scheduler = lr_schedule(optimizer, args)

@@ -280,9 +280,11 @@ def test_two_nodes_on_one_machine_match_step1(jobs):
 def test_each_rank_of_a_second_node_takes_its_local_gpu(jobs):
     """On the second "node", ranks 2 and 3 are local ranks 0 and 1: with two GPUs a node they
     take cuda:0 and cuda:1 (cuda:2 and cuda:3 do not exist there), and nodes of one GPU are
-    refused in one sentence. Asked of the scripts' own device choice, in the real launch."""
+    refused in one sentence. Asked of the scripts' own device choice, in the real launch.
+    The rehearsal itself hides the GPUs from its ranks (two pretend nodes would share them)."""
     choices = json.loads((jobs.folder / "devices_4.json").read_text())
     assert [(c["rank"], c["local_rank"]) for c in choices] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert [c["visible_gpus"] for c in choices] == [""] * 4
     assert [c["device"] for c in choices] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert all(c["one_gpu"] == "2 ranks per node but only 1 visible GPU(s); NCCL needs one GPU per rank: use "
                "--nproc-per-node 1 or run on CPU with --device cpu." for c in choices)
@@ -778,27 +780,43 @@ def test_train_slurm_requeues_a_warned_job_only_if_the_run_is_not_complete(tmp_p
     """The batch script gets USR1 (Slurm's warning) while srun runs; torchrun exits 1 after
     any forwarded signal, so the script looks at the run's summary.json: absent, the ranks
     were preempted and the job is requeued; present, the run completed (a warning in its
-    last step) and the job ends without a requeue. Both exit 0."""
+    last step) and the job ends without a requeue. Both exit 0.
+    The same two jobs check what the script hands srun: --shutdown-timeout only from a
+    torchrun whose --help lists it (torch 2.11's rejects it), and GLOO_SOCKET_IFNAME: the
+    person's, else the interface that reaches the second node."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    # srun: warn the batch shell as Slurm's --signal=B:USR1 does, then end as torchrun does after it
-    (bin_ / "srun").write_text("#!/bin/bash\ntrap 'exit 1' USR1\nsleep 0.3\nkill -USR1 $PPID\n"
+    # srun: note its environment's gloo interface and its arguments, warn the batch shell as
+    # Slurm's --signal=B:USR1 does, then end as torchrun does after it
+    (bin_ / "srun").write_text(f"#!/bin/bash\necho \"${{GLOO_SOCKET_IFNAME:-unset}} $*\" >> {tmp_path}/srun\n"
+                               "trap 'exit 1' USR1\nsleep 0.3\nkill -USR1 $PPID\n"
                                "for i in $(seq 100); do sleep 0.05; done\nexit 1\n")
     (bin_ / "scontrol").write_text(f"#!/bin/bash\n[ \"$1\" = requeue ] && echo \"$2\" >> {tmp_path}/requeued\n"
-                                   "[ \"$1\" = show ] && echo node1\nexit 0\n")
+                                   "[ \"$1\" = show ] && printf 'node1\\nnode2\\n'\nexit 0\n")
+    (bin_ / "torchrun").write_text("#!/bin/bash\necho \"usage: torchrun [--max-restarts MAX_RESTARTS] $TORCHRUN_HAS\"\n")
+    (bin_ / "getent").write_text("#!/bin/bash\n[ \"$2\" = node2 ] && echo '10.1.2.3 STREAM node2'\n")
+    (bin_ / "ip").write_text("#!/bin/bash\n[ \"$4\" = 10.1.2.3 ] && echo '10.1.2.3 dev ib0 src 10.1.2.2 uid 0'\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
-               SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="2")
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="2")
+    env.pop("GLOO_SOCKET_IFNAME", None)
     out = tmp_path / "run"
     out.mkdir()
     for complete in (False, True):
         if complete:
             (out / "summary.json").write_text("{}")
+        # torch 2.13's torchrun and no interface set; then torch 2.11's, and the person's interface
+        env |= {"TORCHRUN_HAS": "[--shutdown-timeout SHUTDOWN_TIMEOUT]"} if not complete else \
+            {"TORCHRUN_HAS": "", "GLOO_SOCKET_IFNAME": "eth7"}
         r = subprocess.run(["bash", str(ROOT / "step4_multi_node" / "train.slurm"), "step3_multi_gpu/train_fsdp.py",
                             "--steps", "5", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=30)
         assert r.returncode == 0, r.stderr
+        gloo, *args = (tmp_path / "srun").read_text().splitlines()[-1].split()
+        assert gloo == ("eth7" if complete else "ib0"), gloo
+        assert ("--shutdown-timeout" in args) != complete and "--signals-to-handle" in args, args
+        assert args[args.index("--shutdown-timeout") + 1] == "100" if not complete else True
         requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
         assert requeued == ["42"], (complete, r.stderr)  # once: by the first (incomplete) job only
         assert ("not requeued" in r.stderr) == complete, r.stderr

@@ -123,3 +123,35 @@ def test_batch_that_does_not_divide_among_ranks_is_an_error():
         Batches(tokens, 32, 8, dp_rank=0, dp_size=3)
     with pytest.raises(UserError, match="fewer than one global batch"):
         Batches(tokens[:100], 32, 8)
+
+
+def test_a_cuda_run_pins_its_batches_and_a_cpu_run_does_not_even_with_cuda_initialised(monkeypatch):
+    """Pinning follows the run's device, not whether this process has touched CUDA (a CPU run
+    in a process where CUDA is initialised pinned, and its trace counted a second copy of
+    each batch). The pinned branch runs here with pin_memory stood in by a copy: what it
+    yields is the pinned copy, and the unpinned batch is not kept alive beside it."""
+    import gc
+    import weakref
+
+    from common.data import pins_for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert pins_for(torch.device("cuda")) and pins_for("cuda:1")
+    assert not pins_for(torch.device("cpu")) and not pins_for("meta")
+    unpinned, pinned = [], []
+
+    def pin_memory(t):
+        unpinned.append(weakref.ref(t))
+        pinned.append(t.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    tokens = torch.randint(0, 256, (24 * 32 + 1,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    data = Batches(tokens, 32, 12, seed=1)
+    assert not data.pin_memory  # Run sets it: pins_for(the run's device)
+    data.pin_memory = pins_for(torch.device("cuda"))
+    it = iter(data)
+    x, y = next(it)
+    gc.collect()
+    assert x is pinned[0] and y is pinned[1]
+    assert [r() for r in unpinned] == [None, None]

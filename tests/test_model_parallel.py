@@ -223,6 +223,20 @@ def test_parity_with_single_process(runs, n, name):
     assert r["weight_max_abs_diff"] <= adam_drift_bound(), r["weight_max_abs_diff"]
 
 
+@pytest.mark.parametrize("n,name", OK_CASES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in OK_CASES])
+def test_save_weights_sends_one_copy_of_each_stage(runs, n, name):
+    """--save-weights: under a pipeline, the first rank of each stage sends its stage to rank 0,
+    tensor by tensor, and its data- and tensor-parallel copies send nothing (8b on 8 GPUs
+    gathered every rank's whole stage onto rank 0's GPU: ~8 x 14 GB); without one, nobody
+    sends. The weights themselves are test_parity_with_single_process's."""
+    r = result(runs, n, name)
+    pp = r["summary"]["parallel"].get("pp", 1)
+    per_stage = WORLD[n] // pp
+    sent = {rank: runs["others"][n][rank][name]["weights_sent"] for rank in range(1, WORLD[n])}
+    assert {rank for rank, b in sent.items() if b} == set(range(per_stage, WORLD[n], per_stage)), sent
+    assert r["weights_sent"] == 0 and r["weights_received"] == sum(sent.values())
+
+
 CURVES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if "--eval-every" in c["flags"]]
 
 

@@ -48,6 +48,10 @@ DRY4_SENDS = {"ddp": {"all_reduce"}, "fsdp": {"all_gather", "reduce_scatter", "a
               "tp": {"all_reduce", "all_reduce (grad norm)"}, "pp": {"send", "recv", "broadcast"},
               "2d": {"all_gather", "reduce_scatter", "all_reduce"}, "3d": {"send", "recv", "reduce_scatter"},
               "cp": {"send", "recv", "all_reduce"}, "ep": {"all_to_all", "all_to_all (expert counts)"}}
+# ... and what it must send nothing beyond. A rank alone has no peers to gather numbers from: the
+# fake group stages all_gather_object's pickles on the host, which on a GPU reads as a collective
+# handed tensors off the run's device (the pipeline's bubble report did, a false alarm).
+DRY4_ONLY = {"pp": {"send", "recv", "broadcast", "all_reduce (grad norm)"}}
 
 
 def _runs_json(out_dir, names) -> str:
@@ -117,7 +121,7 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     assert dry.keys() == DRY4_SENDS.keys() and all(r["fake_world_size"] == 4 for r in dry.values())
     for name, kinds in DRY4_SENDS.items():
         seen = dry[name]["collective_devices"]
-        assert kinds <= seen.keys(), (name, seen)
+        assert kinds <= seen.keys() <= DRY4_ONLY.get(name, seen.keys()), (name, seen)
         assert all(devices == ["cpu"] for devices in seen.values()), (name, seen)
         summary = json.loads((runs / f"03_dry4_{name}" / "summary.json").read_text())
         assert summary["dry_run"] == {"rank": 0, "world_size": 4}

@@ -135,6 +135,23 @@ def test_fsdp_meta_init_gives_step1_weights_bitwise(job):
     assert job["fsdp_init_bitwise"]
 
 
+@pytest.mark.parametrize("cpu_offload", [True, False])
+def test_cpu_offload_materialises_the_shards_on_the_host_and_the_buffers_on_the_device(cpu_offload):
+    """train_fsdp.py --cpu-offload on a GPU: FSDP2 refuses shards materialised anywhere but
+    the host, and the forward reads the RoPE tables (buffers, never offloaded) on the GPU.
+    The meta device stands in for the GPU here: any device that is not the host."""
+    import torch
+
+    from common.model import Transformer
+    from common.parallelize.fsdp import materialize
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    materialize(model, torch.device("meta"), cpu_offload=cpu_offload)
+    shards = "cpu" if cpu_offload else "meta"
+    assert {p.device.type for p in model.parameters()} == {shards}
+    assert {name: b.device.type for name, b in model.named_buffers()} == {"rope_cos": "meta", "rope_sin": "meta"}
+
+
 def test_every_strategy_matches_the_single_process_run(job):
     ref = job["reference"]["losses"]
     assert len(ref) == 4

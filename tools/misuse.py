@@ -283,6 +283,12 @@ CASES: dict[str, Case] = {
                             "1"],
                            "--powersgd-start-iter must be at least 2 (got 1)", "--powersgd-start-iter",
                            "2 or more: DDP rebuilds its buckets after step 1", ranks=2),
+    # ---- chapter 4: the two-node rehearsal on one machine (a shell script: bash runs it)
+    "two nodes on gpus": Case("`two_nodes_on_one_machine.sh ... --device cuda`",
+                              ["step4_multi_node/two_nodes_on_one_machine.sh", S3 + "train_ddp.py", "--model", "debug",
+                               "--device", "cuda"],
+                              "would share this machine's GPUs, and NCCL refuses two ranks on one GPU", "--device cuda",
+                              "leave `--device` out: the rehearsal runs on the CPU"),
     # ---- tools
     "estimate hsdp": Case("`tools/estimate.py --strategy hsdp --hsdp-shard 3 --world-size 4`",
                           ["tools/estimate.py", "--strategy", "hsdp", "--hsdp-shard", "3", "--world-size", "4"],
@@ -504,11 +510,17 @@ def bad_summary(tmp, cache):
 # ---- running them ------------------------------------------------------------------------------
 def run_script(script: str, argv: list[str]) -> tuple[int, str]:
     """The script's main() in this process with ``argv``: (exit code, what it printed on
-    stderr). tools/multirun.py's runner, which knows how to start a script a second time."""
+    stderr). tools/multirun.py's runner, which knows how to start a script a second time.
+    A shell script (step 4's launchers) runs under bash instead."""
     import contextlib
     import importlib
     import io
     from tools.multirun import run_script as run
+    if script.endswith(".sh"):  # a launch script: bash, in a process of its own
+        import subprocess
+        r = subprocess.run(["bash", script, *argv], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                           text=True, timeout=60)
+        return r.returncode, r.stderr
     hook = sys.excepthook  # init_process_group chains a rank prefix onto it, once per run
     try:
         if not script.startswith("tools/"):

@@ -127,24 +127,24 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int, timer
     untraced steps after the first (a median shrugs off a step where another program took
     the CPU). With the ``timer``, also the timeline of the median step: each rank's actions
     (kind, stage, micro-batch, start and end in seconds from the window's start) and its
-    compute seconds by kind. Every rank must call this (it gathers each rank's timings).
+    compute seconds by kind. Every rank must call this (it gathers each rank's timings); a
+    dry run (``--fake-world-size``) reports its one rank.
     """
     rows = [r for r in metrics.rows[1:] if not r["traced"]] or metrics.rows
     # Only the steps this process ran have timings (after --resume, rank 0's rows also hold
     # the earlier steps, read back from metrics.jsonl, without them).
     rows = [r for r in rows if r.get("pipeline_start") is not None]
     mine = [(r["step"], r["pipeline_start"], r["pipeline_end"], r["busy_s"]) for r in rows]
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
+    ranks, everyone = _everyone(ctx, mine)
     common = set.intersection(*({s[0] for s in steps} for steps in everyone))
     everyone = [[s for s in steps if s[0] in common] for steps in everyone]
-    mine = everyone[ctx.rank]
+    mine = everyone[ranks.index(ctx.rank)]
     if not mine:
         return {"window_s": None, "per_rank": [], "formula": bubble_formula(schedule, pp, microbatches)}
     windows = [max(rank[i][2] for rank in everyone) - min(rank[i][1] for rank in everyone)
                for i in range(len(mine))]
     per_rank = []
-    for rank, steps in enumerate(everyone):
+    for rank, steps in zip(ranks, everyone):
         busy = [s[3] for s in steps]
         per_rank.append({"rank": rank, "busy_s": _median(busy),
                          "idle_s": _median([w - b for w, b in zip(windows, busy)]),
@@ -157,17 +157,27 @@ def bubble_report(metrics, ctx, schedule: str, pp: int, microbatches: int, timer
         except (AttributeError, TypeError, ValueError):  # a PyTorch whose V schedule builds its lists otherwise
             pass
     if timer is not None:
-        out["timeline"] = _median_timeline(timer, everyone, windows, ctx)
+        out["timeline"] = _median_timeline(timer, everyone, windows, ctx, ranks.index(ctx.rank))
         for rank, actions in zip(per_rank, out["timeline"]):
             rank["busy_by_kind_s"] = {k: sum(a[4] - a[3] for a in actions if a[0] == k) for k in "FBIW"}
     return out
 
 
-def _median_timeline(timer: ComputeTimer, everyone, windows: list[float], ctx) -> list[list]:
+def _median_timeline(timer: ComputeTimer, everyone, windows: list[float], ctx, me: int) -> list[list]:
     """Every rank's actions in the step whose window is the median one, in seconds from its start."""
     i = sorted(range(len(windows)), key=windows.__getitem__)[(len(windows) - 1) // 2]
     start = min(rank[i][1] for rank in everyone)
-    mine = [[k, s, mb, a - start, b - start] for k, s, mb, a, b in timer.timelines.get(everyone[ctx.rank][i][1], [])]
-    timeline = [None] * ctx.world_size
-    dist.all_gather_object(timeline, mine)
-    return timeline
+    mine = [[k, s, mb, a - start, b - start] for k, s, mb, a, b in timer.timelines.get(everyone[me][i][1], [])]
+    return _everyone(ctx, mine)[1]
+
+
+def _everyone(ctx, mine) -> tuple[list[int], list]:
+    """(ranks, each one's ``mine``): every rank's where there are peers; else this rank's
+    alone. A dry run's other ranks are imaginary: the fake process group would hand back
+    this rank's own numbers as theirs, and stage the pickles on whatever device it offers
+    (the host), which the dry run's device check would then report against the run."""
+    if not ctx.has_peers:
+        return [ctx.rank], [mine]
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return list(range(ctx.world_size)), everyone

@@ -45,7 +45,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
         from common.training import autocast_forward
         return autocast_forward(model, mesh.device_type, param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    # pinned host memory speeds the copies to and from a GPU; a CPU run has none to make
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.layers.values() if getattr(model, "layers", None) is not None else []
     for block in layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
@@ -58,6 +59,22 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
                                    output_dtype=torch.float32 if param_dtype is not None else None)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload,
                 **({"ignored_params": ignored_params} if ignored_params else {}))
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, *, cpu_offload: bool = False) -> torch.nn.Module:
+    """Allocate a sharded meta-device model's storage (``to_empty``), uninitialised.
+
+    Under CPU offload the shards are materialised on the host, where FSDP2 keeps them (it
+    refuses shards materialised on a GPU); the buffers (the RoPE tables), which FSDP never
+    offloads, go to ``device``, where the forward pass reads them. Without offload,
+    everything goes to ``device``.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
     return model
 
 

@@ -33,6 +33,35 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule  # noqa
 RANK = int(os.environ["RANK"])
 
 
+# --save-weights under a pipeline: what each rank sends to rank 0 (and rank 0 receives) while
+# the weights are gathered, in bytes; one copy per stage should travel, nothing else.
+WEIGHTS = {"active": False, "sent": 0, "received": 0}
+
+
+def _count_weight_traffic():
+    import torch.distributed as dist
+
+    import common.checkpoint as ckpt
+    real_gather, real_send, real_recv = ckpt.full_state_dict, dist.send, dist.recv
+
+    def full_state_dict(*args, **kwargs):
+        WEIGHTS["active"] = True
+        try:
+            return real_gather(*args, **kwargs)
+        finally:
+            WEIGHTS["active"] = False
+
+    def send(tensor, *args, **kwargs):
+        WEIGHTS["sent"] += tensor.numel() * tensor.element_size() if WEIGHTS["active"] else 0
+        return real_send(tensor, *args, **kwargs)
+
+    def recv(tensor, *args, **kwargs):
+        WEIGHTS["received"] += tensor.numel() * tensor.element_size() if WEIGHTS["active"] else 0
+        return real_recv(tensor, *args, **kwargs)
+
+    ckpt.full_state_dict, dist.send, dist.recv = full_state_dict, send, recv
+
+
 def reference(flags: list[str], amp: str = "off") -> dict:
     """The single-process run (step 1's loop; step 2's autocast with ``amp`` bf16) with the same shared flags."""
     p = cli.parser(None)
@@ -80,12 +109,15 @@ def shared_flags(flags: list[str]) -> list[str]:
 def main():
     out_dir, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     results, refs = {}, {}
+    _count_weight_traffic()
     for case in cases:
         case_out = out_dir / case["name"]
         flags = case["flags"] + ["--out", str(case_out), "--device", "cpu"]
         t0 = time.perf_counter()
+        WEIGHTS.update(sent=0, received=0)
         code, err = run_script(case["script"], flags, capture_stderr=True)
-        res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0}
+        res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0,
+               "weights_sent": WEIGHTS["sent"], "weights_received": WEIGHTS["received"]}
         if RANK == 0 and code == 0 and not case.get("expect_error"):
             amp = last_value(case["flags"], "--amp", "bf16")  # step 3's default
             key = json.dumps(shared_flags(case["flags"]))
@@ -119,7 +151,8 @@ def main():
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     else:  # what the other ranks saw: every rank must exit, and say why, the same way
         (out_dir / f"results_rank{RANK}.json").write_text(json.dumps(
-            {k: {"exit_code": v["exit_code"], "stderr_tail": v["stderr_tail"]} for k, v in results.items()}))
+            {k: {"exit_code": v["exit_code"], "stderr_tail": v["stderr_tail"], "weights_sent": v["weights_sent"]}
+             for k, v in results.items()}))
 
 
 if __name__ == "__main__":

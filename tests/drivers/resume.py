@@ -68,7 +68,8 @@ def main(folder: str, plan: str):
                                 world_size=int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    choice = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"])}
+    choice = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]),
+              "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}  # (hidden by two_nodes_on_one_machine.sh)
     choice["device"] = str(rank_device("cuda", device_count=int(os.environ["LOCAL_WORLD_SIZE"]))[1])
     try:
         rank_device("cuda", device_count=1)
