@@ -135,6 +135,8 @@ def pins_for(device: torch.device | str) -> bool:
     run's only. The GPU copies from pinned memory by itself, so the scripts'
     ``.to(device, non_blocking=True)`` returns at once; a copy from ordinary memory makes the
     host wait. A CPU run pins nothing, even in a process where CUDA is initialised."""
+    # CUDA path:
+    # tests/test_data.py::test_a_cuda_run_pins_its_batches_and_a_cpu_run_does_not_even_with_cuda_initialised
     return torch.device(device).type == "cuda"
 
 

@@ -28,6 +28,8 @@ class ComputeTimer:
 
     def __init__(self, schedule, stages, device):
         self.busy_s, self.start, self.end = 0.0, None, None
+        # CUDA path: no CPU test: CUDA's events and synchronize exist only with a GPU (the bubble is timed on
+        # the host clock on a CPU); tools/gpu_check.py times a pipeline on a GPU
         self.cuda = torch.device(device).type == "cuda"
         self._sync = (lambda: torch.cuda.synchronize(device)) if self.cuda else (lambda: None)
         self._pending: list = []  # CUDA: this step's [kind, stage, micro-batch, start event, end event]

@@ -46,6 +46,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
         return autocast_forward(model, mesh.device_type, param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # pinned host memory speeds the copies to and from a GPU; a CPU run has none to make
+    # CUDA path: no CPU test: pinned host memory needs CUDA; the shards' placement under offload is
+    # tests/test_step3a.py::test_cpu_offload_materialises_the_shards_on_the_host_and_the_buffers_on_the_device
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.layers.values() if getattr(model, "layers", None) is not None else []
     for block in layers:
