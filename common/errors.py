@@ -1,7 +1,9 @@
 """Misuse is reported as one sentence and a non-zero exit, never as a traceback."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -79,3 +81,24 @@ def main_guard(fn):
             sys.exit(1)
 
     return wrapper
+
+
+# What other libraries log while they load that is not ours to report: torchao's warning for
+# each optional CUDA kernel library a CPU build cannot load ("Failed to load ..._C_mxfp8..."),
+# and torch's deprecation notes for its enum registrations. Harmless, and easily read as our
+# failure.
+THEIR_NOISE = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_logs(*names: str):
+    """Raise these loggers to ERROR for the block (their warnings dropped), then restore."""
+    loggers = [logging.getLogger(n) for n in names or THEIR_NOISE]
+    levels = [q.level for q in loggers]
+    for q in loggers:
+        q.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for q, level in zip(loggers, levels):
+            q.setLevel(level)

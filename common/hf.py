@@ -14,16 +14,24 @@ training never needs them installed.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from common.errors import UserError
+from common.errors import THEIR_NOISE, UserError
 from common.model import ModelConfig
 
 
 def require(module: str):
-    """Import an optional library, or say in one sentence how to install it."""
+    """Import an optional library, or say in one sentence how to install it. transformers
+    imports torchao where it is installed, lazily, whenever a model class is first used;
+    torchao's load-time warnings (common.errors.THEIR_NOISE: not ours, and harmless) are
+    dropped for the rest of this process, which exports or generates and trains nothing."""
     import importlib
     try:
+        if module.split(".")[0] == "transformers":
+            for name in THEIR_NOISE:  # left quiet: the lazy imports come later
+                logging.getLogger(name).setLevel(logging.ERROR)
         return importlib.import_module(module)
     except ImportError:
         package = module.split(".")[0]

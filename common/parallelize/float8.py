@@ -12,11 +12,10 @@ torchao is optional for the rest of the tutorial: only what imports this module 
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, quiet_logs
 
 # Dimensions a float8 matmul accepts: torch._scaled_mm wants both of a weight's sides
 # divisible by 16 (the tensor cores' tile); torchao would refuse the layer at its first call.
@@ -26,18 +25,12 @@ FLOAT8_MULTIPLE = 16
 def _torchao_float8():
     """Import torchao.float8 quietly (it logs a warning per optional CUDA kernel it cannot
     load, which a CPU build never can), or say in one sentence how to get it."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as float8
+        with quiet_logs():
+            import torchao.float8 as float8
     except ImportError:
         raise UserError("--float8 needs torchao, which is not installed; pip install -r requirements.txt "
                         "(or pip install torchao).") from None
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
     return float8
 
 
