@@ -33,12 +33,14 @@ TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-s
 NOT_CHECKED = {
     "python -m pytest": "the test suite itself",
     "python -c": "an inline snippet, not a script",
+    "python -m venv": "Python's own virtual environments (the Quick start's first line)",
 }
 # Commands that run end to end (matched on the start of the README line). The rest are
 # only flag-checked: they need GPUs (dp_vs_ddp.py, --amp fp16), several machines
 # (--nnodes 2), are long benchmarks (bench_collectives, ring_allreduce, compare_comm_hooks,
 # tools.figures) or need an earlier run's checkpoint (--resume, checkpoint export).
 RUN = [
+    "python step1_single_gpu/train.py --steps 30",  # the Quick start's
     "python step1_single_gpu/train.py --model small --steps 30",
     "python step2_memory/train_amp_ac.py --ac selective",
     "torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --amp off --zero1",
