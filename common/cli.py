@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from common import ROOT, checkpoint
-from common.errors import UserError
+from common.errors import MADE_FOR_THIS_RUN, UserError
 from common.model import PRESETS, get_config
 
 
@@ -137,8 +137,10 @@ def check_writable(out: Path):
     after hours of training. (Each rank its own probe name: ranks run this side by side.)"""
     import os
     probe = out / f".write_probe_{os.getpid()}"
+    missing = [p for p in [out, *out.parents] if not p.exists()]  # deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
+        MADE_FOR_THIS_RUN[:] = missing  # this run's (a harness may run several in one process)
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

@@ -15,6 +15,20 @@ class UserError(Exception):
     """Something the person running the script can fix; the message says how."""
 
 
+# Folders this process created for its run (--out and any parent it had to make, deepest
+# first): a refused run removes those still empty, so a refusal leaves nothing behind.
+MADE_FOR_THIS_RUN: list = []
+
+
+def _remove_empty_folders_made():
+    for folder in MADE_FOR_THIS_RUN:
+        try:
+            folder.rmdir()  # only if empty: nothing written is ever removed
+        except OSError:
+            pass
+    MADE_FOR_THIS_RUN.clear()
+
+
 EXIT_USER_ERROR = 2
 # sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to retry": a run that
 # was asked to stop (a cluster's SIGTERM or SIGUSR1), saved a checkpoint and left.
@@ -58,6 +72,7 @@ def main_guard(fn):
             prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
             print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
             tell_torchrun(f"error: {e}")
+            _remove_empty_folders_made()
             sys.exit(EXIT_USER_ERROR)
         except Preempted as e:
             if os.environ.get("RANK", "0") == "0":  # the same sentence on every rank: said once

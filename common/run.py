@@ -196,13 +196,14 @@ class Run:
                 ctx.print(f"  profile rank {r['rank']}: compute {r['compute_s'] * 1e3:,.0f} ms, communication "
                           f"{r['comm_s'] * 1e3:,.0f} ms" + (f", {frac:.0%} of it overlapped" if frac is not None else ""))
             ctx.print(f"  profile traces in {a.out}/profile/ (open at ui.perfetto.dev), figure {a.out}/profile_timeline.png")
-        predicted = theory.report(a, ctx, memory, self.strategy, **self.predict) if self.strategy else None
+        said: list[str] = []  # printed after the run's table: first what ran, then the formulas beside it
+        predicted = theory.report(a, ctx, memory, self.strategy, lines=said, **self.predict) if self.strategy else None
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}
         extra = {"lesson": self.lesson, "optimizer_kernels": self.optimizer_kernels, **extra}
         if ctx.fake:  # one rank of the layout, alone: memory and bytes real, losses not
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
-        summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, **extra)
+        summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, said=said, **extra)
         print_comm(ctx, comm, self.metrics.n_params)
         late = self.ckpt.signal_at_the_end()
         if late:  # a SIGTERM/SIGUSR1 too late for the vote to stop a step: the run completed

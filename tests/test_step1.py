@@ -191,6 +191,19 @@ def test_a_finished_run_is_moved_aside_not_overwritten(monkeypatch, tmp_path, ca
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("train@")]) == 3
 
 
+def test_a_refused_run_leaves_no_empty_folder_behind(monkeypatch, tmp_path, capsys):
+    """--out is made early (a folder that cannot be written is refused at once); a run refused
+    after that removes the folders it made while they are still empty, and nothing else."""
+    out, missing = tmp_path / "runs" / "train", str(tmp_path / "no_such_text.txt")
+    code, _ = _main(monkeypatch, [*QUIET, "--steps", "2", "--data", missing, "--out", str(out)])
+    assert code == 2 and "no_such_text.txt" in capsys.readouterr().err  # refused after --out was made
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "keep.txt").write_text("mine")
+    assert _main(monkeypatch, [*QUIET, "--steps", "2", "--data", missing, "--out", str(out)])[0] == 2
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["keep.txt"]
+
+
 def test_a_model_no_machine_here_could_hold_is_refused_before_any_work(monkeypatch, capsys):
     """--n-layers 1000000 used to build until killed: 16 bytes a parameter is checked first."""
     code, _ = _main(monkeypatch, ["--n-layers", "1000000", "--device", "cpu"])

@@ -276,8 +276,10 @@ class Metrics:
         dt = sum(r["step_time_s"] for r in rows) / len(rows)
         return dt, self.tokens_per_step / dt
 
-    def finish(self, memory: list[dict] | None = None, val_loss: float | None = None, **extra) -> dict | None:
-        """Write summary.json and print the end-of-run table (rank 0)."""
+    def finish(self, memory: list[dict] | None = None, val_loss: float | None = None, said: tuple = (),
+               **extra) -> dict | None:
+        """Write summary.json and print the end-of-run table (rank 0), then the lines ``said``
+        (the formulas beside the measurement), then where the outputs are."""
         self.flush()
         if self.bar is not None:
             self.bar.close()
@@ -318,13 +320,14 @@ class Metrics:
             if val_loss is not None and "val_loss" not in self.rows[-1]:  # measured after the loop
                 self._tb.add_scalar("val_loss", val_loss, last)
             self._tb.close()
-        self._print_table(summary)
+        self._print_table(summary, said)
         return summary
 
-    def _print_table(self, s: dict):
+    def _print_table(self, s: dict, said=()):
         lines = [
             ("model", f"{s['model']} ({s['n_params'] / 1e6:.2f}M parameters)"),
-            ("device", f"{s['device_name']} x {s['world_size']} ({s['backend']}), {s['dtype']}"),
+            ("device", (f"{s['device_name']}, one process" if s["world_size"] == 1 else
+                        f"{s['device_name']} x {s['world_size']} ranks ({s['backend']})") + f", {s['dtype']}"),
             ("loss", f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"
                      + (f" (validation {s['val_loss']:.3f})" if s["val_loss"] is not None else "")),
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step"),
@@ -332,10 +335,12 @@ class Metrics:
         ]
         for m in s["memory"]:
             who = f"rank {m['rank']} " if len(s["memory"]) > 1 else ""
-            lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])} = " + " + ".join(
-                f"{c} {fmt_bytes(b)}" for c, b in m["at_peak"].items() if b)))
+            lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])}, made of " + " + ".join(
+                f"{c} {fmt_bytes(b)}" for c, b in m["at_peak"].items() if b) + " at that moment"))
             if m["allocator_peak_bytes"]:
                 lines.append((f"{who}CUDA allocator peak", fmt_bytes(m["allocator_peak_bytes"])))
         width = max(len(k) for k, _ in lines)
         print("\n".join(f"  {k:<{width}}  {v}" for k, v in lines), flush=True)
+        for line in said:
+            print(line, flush=True)
         print(f"  outputs in {os.path.relpath(self.args.out)}/", flush=True)  # from where you are

@@ -676,8 +676,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
 
 
 # ---- prediction beside measurement, at the end of a training run -------------------------------
-def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
-    """Print 'predicted vs measured' per category on rank 0; return it for summary.json.
+def report(args, ctx, memory, strategy: str, lines: list | None = None, **plan_kwargs) -> dict | None:
+    """Print 'predicted vs measured' per category on rank 0 (into ``lines`` instead, when
+    given: Run prints them after the run's own table); return it for summary.json.
 
     ``memory``: tracer.save's per-rank results (None when not traced: prediction only).
     Model state is compared when the optimizer step begins (everything is allocated and
@@ -693,7 +694,8 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
                 seq_len=args.seq_len, **plan_kwargs)
     ranks = [m["rank"] for m in memory] if memory else [0]
     out = {"strategy": plan.strategy, "dtype": plan.dtype, "ac": plan.ac, "device": plan.device, "per_rank": []}
-    print(f"  predicted (common/measure/theory.py) vs measured, {plan.strategy}:", flush=True)
+    say = lines.append if lines is not None else (lambda line: print(line, flush=True))
+    say(f"  predicted (common/measure/theory.py) vs measured, {plan.strategy}:")
     for r in ranks:
         p = predict(plan, r)
         m = next((x for x in memory or [] if x["rank"] == r), None)
@@ -706,7 +708,8 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
             seen = (m["before_optimizer"] or m["peak_by_category"])[c] if c != "activations" \
                 else m["peak_by_category"][c]
             row[f"measured {c}"] = seen
-            cells.append(f"{c} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
+            name = "activations at their peak" if c == "activations" else c  # not the step's peak's share
+            cells.append(f"{name} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
         if m is not None and STAGING in m["peak_by_category"] and plan.strategy in DP_STRATEGIES:
             # --ckpt-async's host copy, traced where a checkpoint step fell in the window (CPU runs);
             # ckpt_staging_bytes knows the data-parallel family's state
@@ -724,7 +727,7 @@ def report(args, ctx, memory, strategy: str, **plan_kwargs) -> dict | None:
         out["per_rank"].append(row)
         who = f"rank {r}" if len(ranks) > 1 else "one rank"
         if r in (ranks[0], ranks[-1]) or len(ranks) <= 4:
-            print(f"    {who:<8} " + ", ".join(cells), flush=True)
+            say(f"    {who:<8} " + ", ".join(cells))
     return out
 
 
