@@ -86,7 +86,6 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--eval-every {args.eval_every} has nothing to measure with --eval-batches 0; give "
                         f"--eval-batches 1 or more, or drop --eval-every.")
     if args.tensorboard:  # refused now, before any work, where the package is missing
-        from common.measure.metrics import tensorboard_writer
         tensorboard_writer()
     if not (args.max_norm >= 0 and math.isfinite(args.max_norm)):
         raise UserError(f"--max-norm must be 0 (no clipping) or a positive number (got {args.max_norm}).")
@@ -118,6 +117,17 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
     check_writable(args.out)
     return args
+
+
+def tensorboard_writer():
+    """TensorBoard's SummaryWriter class, or the sentence naming the package it needs
+    (only --tensorboard needs it: the tutorial runs without it)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package, which is not installed; run "
+                        "pip install tensorboard, or drop --tensorboard.") from None
+    return SummaryWriter
 
 
 def check_vocab_size(vocab_size: int | None, data: str) -> None:

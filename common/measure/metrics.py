@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from common.cli import saver_label
+from common.cli import saver_label, tensorboard_writer
 from common.errors import UserError
 from common.measure import syncs
 from common.measure.memory import fmt_bytes
@@ -62,17 +62,6 @@ def cpu_name() -> str:
 
 # What --tensorboard draws of each metrics.jsonl row, under the same names.
 SCALARS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
-
-
-def tensorboard_writer():
-    """TensorBoard's SummaryWriter class, or the sentence naming the package it needs
-    (only --tensorboard needs it: the tutorial runs without it)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError("--tensorboard needs the tensorboard package, which is not installed; run "
-                        "pip install tensorboard, or drop --tensorboard.") from None
-    return SummaryWriter
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.model import ModelConfig, Transformer
+from common.parallelize.schedules import V_SCHEDULES, schedule_actions
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
 DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
@@ -448,7 +449,6 @@ class Plan:
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
 
-V_SCHEDULES = ("zbv", "dualpipev")  # (common/parallelize/pp.py's, repeated: pp.py imports this module)
 
 
 def _loops(plan: Plan) -> int:
@@ -477,8 +477,7 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
     its forward ("F") to the end of its backward: the full backward ("B") or, where the
     schedule splits it, the weight half ("W"), which still needs the layers' saved inputs
     after the input half ("I") has passed the gradient on. Counted along the order PyTorch's
-    schedule runs (common/parallelize/pp.py:schedule_actions)."""
-    from common.parallelize.pp import schedule_actions
+    schedule runs (common/parallelize/schedules.py:schedule_actions)."""
     m = plan.microbatches or plan.pp
     try:
         actions = schedule_actions(plan.schedule, plan.pp, m)[rank_stage]
