@@ -455,3 +455,25 @@ def test_the_pytorch_apis_the_pages_name_for_gpus_and_checkpoints():
         pytest.skip("this torch installs no c10d headers")
     text = header.read_text()
     assert '"TORCH_NCCL_BLOCKING_WAIT"' in text and '"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"' in text
+
+
+def test_step_time_numbers_will_it_fit_quotes():
+    """will_it_fit.md's step-time prose: at 8b, 8 GPUs of torchtitan's cards, the optimizer term is
+    40 ms foreach and 17 ms fused; MFU's usual count (attention whole) is 12.5% more FLOPs than
+    the model's at 8192 tokens; the eager FSDP rows predict 27.5% of 989 (the model's count); the
+    FSDP 8 x TP 8 row's formula peak (96.3 GiB) is over the card's 95.6."""
+    from common.measure.steptime import GPUS, model_flops_per_token, step_time
+    from common.model import flops_per_token
+    from tools.plan import torchtitan_rows
+    cfg = get_config("8b", vocab_size=128256, max_seq_len=8192)
+    ms = {k: step_time(theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
+                                   optimizer=k), GPUS["torchtitan"])["optimizer"] * 1e3 for k in ("foreach", "fused")}
+    more = flops_per_token(cfg, 8192) / model_flops_per_token(cfg, 8192) - 1
+    rows = {r["what"]: r for r in torchtitan_rows()}
+    eager = rows["Table 1: FSDP, eager"]["time"]["mfu"]
+    (tp,) = [r for r in rows.values() if "TP 8" in r["what"]]
+    print(f"optimizer {ms}; whole attention +{more:.1%}; eager MFU {eager:.1%}; TP row peak {tp['our_gib']:.1f} GiB "
+          f"of {GPUS['torchtitan'].memory_gib}")
+    assert (round(ms["foreach"]), round(ms["fused"])) == (40, 17)
+    assert f"{more:.1%}" == "12.5%" and f"{eager:.1%}" == "27.5%"
+    assert f"{tp['our_gib']:.1f}" == "96.3" and tp["our_gib"] > GPUS["torchtitan"].memory_gib
