@@ -272,3 +272,210 @@ def test_autocast_keeps_one_weight_copy_per_region():
     got = {"a region per forward": copies(False), "one region around all": copies(True)}
     print(got)
     assert got == {"a region per forward": 4, "one region around all": 1}
+
+
+# ---- issue 45: the step-time model's numbers, and the facts the pages add --------------------
+def _bytes_per_parameter(fused: bool) -> tuple[float, float, list[str]]:
+    """(clipping's, AdamW's) bytes read and written per parameter, and AdamW's kernels, counted
+    at the dispatcher on the real ops (foreach=True is CUDA's default path, fused=True
+    --fused-adamw's): each op reads its tensor arguments and writes the ones its schema
+    mutates, or the tensors it returns. Scalars (the step counters) are left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Bytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.total, self.kernels = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            size = lambda v: sum(t.numel() * t.element_size() for t in tree_flatten(v)[0]  # noqa: E731
+                                 if isinstance(t, torch.Tensor) and t.numel() > 1)
+            values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+            moved = 0
+            for a, v in zip(func._schema.arguments, values):
+                moved += size(v)
+                written = a.alias_info is not None and a.alias_info.is_write
+                # the fused kernel's schema lets it write the gradients (unscaling them for
+                # GradScaler, given grad_scale); without one it only reads them
+                if written and not (a.name == "grads" and kwargs.get("grad_scale") is None):
+                    moved += size(v)
+            if not any(r.alias_info is not None for r in func._schema.returns):
+                moved += size(out)
+            if moved:
+                self.total += moved
+                self.kernels.append(func.__name__)
+            return out
+
+    n = 4 * 2**20
+    params = [torch.nn.Parameter(torch.randn(2**20)) for _ in range(4)]
+    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=not fused or None,
+                            fused=fused or None)
+    for _ in range(2):  # the second step: the state exists
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with Bytes() as clip:
+            torch.nn.utils.clip_grads_with_norm_(params, 1.0, torch.nn.utils.get_total_norm(
+                [p.grad for p in params], 2.0))
+        with Bytes() as adamw:
+            opt.step()
+    return clip.total / n, adamw.total / n, adamw.kernels
+
+
+def test_clipping_and_adamw_bytes_per_parameter():
+    """will_it_fit.md, the optimizer term: clipping reads every gradient for the norm and scales
+    every one (12 bytes a parameter); AdamW's foreach path is eight multi-tensor kernels, 84
+    bytes (96 with clipping); fused=True one kernel, 28 (40). steptime.ADAMW_BYTES holds these."""
+    from common.measure.steptime import ADAMW_BYTES, CLIP_BYTES
+    clip, foreach, kernels = _bytes_per_parameter(fused=False)
+    _, fused, fused_kernels = _bytes_per_parameter(fused=True)
+    print(f"clipping {clip:.1f}, foreach AdamW {foreach:.1f} in {len(kernels)} kernels ({', '.join(kernels)}), "
+          f"fused {fused:.1f} in {len(fused_kernels)}: {clip + foreach:.0f} and {clip + fused:.0f} bytes a parameter")
+    assert round(clip) == CLIP_BYTES == 12
+    assert round(foreach) == ADAMW_BYTES["foreach"] == 84 and len(kernels) == 8
+    assert round(fused) == ADAMW_BYTES["fused"] == 28 and fused_kernels == ["_fused_adamw_.default"]
+
+
+def test_torchtitan_8b_in_the_models_flop_count():
+    """will_it_fit.md: torchtitan's eager FSDP runs (5,762 and 5,605 tokens/s a GPU) are 33.7%
+    and 32.8% of 989 TFLOP/s in MFU's usual count (attention whole, common/model.py's
+    flops_per_token) and 30.0% and 29.2% in the step-time model's (causal attention halved)."""
+    from common.measure.steptime import model_flops_per_token
+    from common.model import flops_per_token
+    cfg = get_config("8b", vocab_size=128256)
+    got = {tps: (tps * flops_per_token(cfg, 8192) / 989e12, tps * model_flops_per_token(cfg, 8192) / 989e12)
+           for tps in (5762, 5605)}
+    print({k: f"{a:.1%} whole, {b:.1%} causal" for k, (a, b) in got.items()})
+    assert [f"{a:.1%}" for a, _ in got.values()] == ["33.7%", "32.8%"]
+    assert [f"{b:.1%}" for _, b in got.values()] == ["30.0%", "29.2%"]
+
+
+def test_torchtitan_per_op_sac_recompute():
+    """will_it_fit.md: torchtitan's per-op selective AC recomputes wk, wo and w3 (every second
+    matmul of a block): 36.5% of the 8b block's forward matmul FLOPs, 270 ms a step at 2 x 8192
+    tokens a GPU on the eager rate, where the memory-bound passes alone cost 47 ms."""
+    from common.measure.steptime import GPUS, layer_matmul_params, per_op_sac_flops, step_time
+    cfg = get_config("8b", vocab_size=128256)
+    share = per_op_sac_flops(cfg) / (2 * layer_matmul_params(cfg))
+    m = GPUS["torchtitan"]
+    ms = 2 * 8192 * cfg.n_layers * per_op_sac_flops(cfg) / m.matmul_rate("bf16") * 1e3
+    plan = theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+                       device="cuda")
+    ours, theirs = step_time(plan, m)["recompute"] * 1e3, step_time(plan, m, per_op_sac=True)["recompute"] * 1e3
+    print(f"per-op SAC recomputes {share:.1%} of the forward matmul FLOPs: {ms:.0f} ms; memory-bound passes "
+          f"{ours:.0f} ms; together {theirs:.0f} ms")
+    assert f"{share:.1%}" == "36.5%" and round(ms) == 270 and round(ours) == 47 and round(theirs) == 316
+
+
+def test_torchtitan_fsdp_tp_row_at_its_published_settings():
+    """will_it_fit.md: torchtitan's FSDP 8 x TP 8 run (benchmarks/asyncTP_llama3_h100_2025-06_
+    torchtitan.md: compile, per-op SAC, local batch 12; sequence parallel, as torchtitan's TP runs)
+    predicted at those settings: 5,649 tokens/s a GPU against their 4,378 (1.29x), 718 ms of its
+    2,175 ms step TP's exposed collectives (the eager, local-batch-2 guess printed beside it)."""
+    from common.measure.steptime import GPUS, step_time
+    from tools.plan import torchtitan_rows
+    (row,) = [r for r in torchtitan_rows() if "TP 8" in r["what"]]
+    p = row["plan"]
+    assert (p.world, p.tp, p.dp, p.batch, p.seq_len, p.ac, p.sequence_parallel) == (64, 8, 8, 96, 8192, "selective",
+                                                                                   True)
+    old = step_time(theory.Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+                                device="cuda", optimizer="foreach"), GPUS["torchtitan"])
+    t = row["time"]
+    print(f"ours {row['ours']:,.0f} against {row['theirs']:,} ({row['ours'] / row['theirs']:.2f}x); exposed "
+          f"communication {t['exposed communication'] * 1e3:,.0f} of {t['step'] * 1e3:,.0f} ms; the old assumption "
+          f"{old['tokens_per_s_per_gpu']:,.0f}")
+    assert f"{row['ours']:,.0f}" == "5,649" and f"{row['ours'] / row['theirs']:.2f}" == "1.29"
+    assert (round(t["exposed communication"] * 1e3), round(t["step"] * 1e3)) == (718, 2175)
+
+
+def test_kv_cache_size_and_grouped_query_attention():
+    """step1_single_gpu/README.md: a KV cache holds 2 (k and v) x layers x kv heads x head_dim
+    values a token: common/generate.py's KVCache for the small model at its 1,024-token context,
+    fp32, is 4 MiB a sequence (4 KiB a token). Llama 3 8B's shape (our 8b preset: 32 layers, 8 kv
+    heads of 128) in bf16: 128 KiB a token, 1 GiB for 8,192 tokens; with a kv head per query
+    head (32) it would be 4x that."""
+    from common.generate import KVCache
+    from common.model import build_model
+    small = get_config("small")
+    cache = KVCache(build_model(small, "cpu"), batch=1, context=small.max_seq_len)
+    held = sum(t.numel() * t.element_size() for d in (cache.k, cache.v) for t in d.values())
+    formula = lambda c, tokens, width: 2 * c.n_layers * c.n_kv_heads * c.head_dim * tokens * width  # noqa: E731
+    eight = get_config("8b")
+    per_token, seq = formula(eight, 1, 2), formula(eight, 8192, 2)
+    mha = 2 * eight.n_layers * eight.n_heads * eight.head_dim * 8192 * 2
+    print(f"small: {held / 2**20:.0f} MiB a sequence ({held // small.max_seq_len} B a token); 8b bf16: "
+          f"{per_token / 2**10:.0f} KiB a token, {seq / 2**30:.0f} GiB at 8,192 tokens, {mha / 2**30:.0f} GiB "
+          f"with {eight.n_heads} kv heads")
+    assert held == formula(small, small.max_seq_len, 4) == 4 * 2**20
+    assert (eight.n_layers, eight.n_kv_heads, eight.head_dim, eight.n_heads) == (32, 8, 128, 32)
+    assert per_token == 128 * 2**10 and seq == 2**30 and mha == 4 * seq
+
+
+def test_exported_config_fields_that_change_the_numbers():
+    """step1_single_gpu/README.md, export: rope_theta, rms_norm_eps and tie_word_embeddings are
+    written from the model (10,000, 1e-5 and false for the small model; the 8b preset's theta is
+    Llama 3's 500,000), and a wrong rope_theta changes the logits without an error."""
+    pytest.importorskip("transformers")
+    from common.hf import llama_config
+    small, eight = get_config("small"), get_config("8b")
+    c = llama_config(small)
+    theta = (c.rope_parameters or {}).get("rope_theta") if hasattr(c, "rope_parameters") else c.rope_theta
+    print(f"rope_theta {theta}, rms_norm_eps {c.rms_norm_eps}, tie_word_embeddings {c.tie_word_embeddings}; "
+          f"8b theta {eight.rope_theta}")
+    assert (theta, c.rms_norm_eps, c.tie_word_embeddings) == (10000.0, 1e-5, False)
+    assert eight.rope_theta == 500000.0
+    from dataclasses import replace
+
+    from common.model import build_model
+    torch.manual_seed(0)
+    model = build_model(small, "cpu")
+    x = torch.randint(0, 256, (1, 64))
+    other = build_model(replace(small, rope_theta=500000.0), "cpu")
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(model(x), other(x), atol=1e-3)
+
+
+def test_the_pytorch_apis_the_pages_name_for_gpus_and_checkpoints():
+    """step4_multi_node/README.md and step1's export: DCP's async_save takes a process-based
+    checkpointer and a stager with pinned host memory; DCP reads and writes Hugging Face
+    safetensors (HuggingFaceStorageReader/Writer); ProcessGroupNCCL reads TORCH_NCCL_BLOCKING_WAIT
+    and, for its watchdog's heartbeat monitor, TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    assert AsyncCheckpointerType("process") is AsyncCheckpointerType.PROCESS
+    assert {"async_checkpointer_type", "async_stager"} <= set(inspect.signature(dcp.async_save).parameters)
+    assert StagingOptions().use_pinned_memory is True
+    assert hasattr(dcp, "HuggingFaceStorageReader") and hasattr(dcp, "HuggingFaceStorageWriter")
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if not header.exists():
+        pytest.skip("this torch installs no c10d headers")
+    text = header.read_text()
+    assert '"TORCH_NCCL_BLOCKING_WAIT"' in text and '"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"' in text
+
+
+def test_step_time_numbers_will_it_fit_quotes():
+    """will_it_fit.md's step-time prose: at 8b, 8 GPUs of torchtitan's cards, the optimizer term is
+    40 ms foreach and 17 ms fused; MFU's usual count (attention whole) is 12.5% more FLOPs than
+    the model's at 8192 tokens; the eager FSDP rows predict 27.5% of 989 (the model's count); the
+    FSDP 8 x TP 8 row's formula peak (96.3 GiB) is over the card's 95.6."""
+    from common.measure.steptime import GPUS, model_flops_per_token, step_time
+    from common.model import flops_per_token
+    from tools.plan import torchtitan_rows
+    cfg = get_config("8b", vocab_size=128256, max_seq_len=8192)
+    ms = {k: step_time(theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
+                                   optimizer=k), GPUS["torchtitan"])["optimizer"] * 1e3 for k in ("foreach", "fused")}
+    more = flops_per_token(cfg, 8192) / model_flops_per_token(cfg, 8192) - 1
+    rows = {r["what"]: r for r in torchtitan_rows()}
+    eager = rows["Table 1: FSDP, eager"]["time"]["mfu"]
+    (tp,) = [r for r in rows.values() if "TP 8" in r["what"]]
+    print(f"optimizer {ms}; whole attention +{more:.1%}; eager MFU {eager:.1%}; TP row peak {tp['our_gib']:.1f} GiB "
+          f"of {GPUS['torchtitan'].memory_gib}")
+    assert (round(ms["foreach"]), round(ms["fused"])) == (40, 17)
+    assert f"{more:.1%}" == "12.5%" and f"{eager:.1%}" == "27.5%"
+    assert f"{tp['our_gib']:.1f}" == "96.3" and tp["our_gib"] > GPUS["torchtitan"].memory_gib

@@ -8,16 +8,23 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                rate x an achieved fraction, or this machine's calibrated rate). Per token and
                layer: 6 x the layer's matmul weights (multiply-add = 2 FLOPs, forward once,
                backward twice) and 6 x dim x seq for attention's QK^T and AV: half of the
-               12 x dim x seq that MFU conventionally counts, since a causal kernel skips the
-               masked half (MFU is still quoted with common/model.py's flops_per_token). The
-               output layer adds 6 x vocab x dim on the last stage. TP divides a rank's share
-               by tp, CP its tokens by cp, a pipeline stage keeps its own layers.
+               12 x dim x seq that MFU is usually quoted with (common/model.py's
+               flops_per_token, PaLM's count), since a causal kernel skips the masked half.
+               This is the model's one count (``model_flops_per_token``): the compute term,
+               the MFU the planner prints and its "% of the rate assumed" (the share of the
+               step the rank spends on these FLOPs) all use it. The output layer adds
+               6 x vocab x dim on the last stage. TP divides a rank's share by tp, CP its
+               tokens by cp, a pipeline stage keeps its own layers.
   recompute    activation checkpointing's extra forward. Full AC runs each checkpointed
                block's forward again in backward: a third of its compute. Our selective AC
                (common/parallelize/ac.py) keeps every matmul's and attention's output and
                recomputes only norms, RoPE, SiLU, the SwiGLU product and the residual adds:
                no matmul FLOPs, but memory-bound passes, counted as the bytes those ops
                read and write (theory.py's activations dropped, twice) over HBM bandwidth.
+               torchtitan's per-op selective AC (``per_op_sac=True``, for its published runs)
+               recomputes those too, and every second matmul of a block (it saves the 1st,
+               3rd, 5th and 7th of wq, wk, wv, wo, w1, w3, w2): wk, wo and w3's forward
+               FLOPs again (``per_op_sac_flops``).
   exposed communication
                each collective's time on its link, t = calls x latency + bytes x ring factor
                / bandwidth (ring factors as nccl-tests' busbw: 2(n-1)/n for all-reduce,
@@ -41,9 +48,15 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                    stand between the router and the experts: all exposed.
   bubble       a pipeline's idle share, from the schedule (common/parallelize/pp.py's
                bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B): idle = busy x b / (1 - b).
-  optimizer    AdamW is memory-bound: per parameter this rank updates, clipping reads the
-               gradient (4 bytes), AdamW reads weight, gradient and both moments and writes
-               weight and moments (28): 32 bytes over HBM bandwidth. A calibrated CPU times
+  optimizer    clipping and AdamW are memory-bound: bytes read and written per parameter
+               this rank updates, over HBM bandwidth. Clipping reads every gradient for the
+               norm and scales every one (read + write): 12 bytes. AdamW as the scripts run
+               it on CUDA, PyTorch's default foreach path, is eight multi-tensor kernels over
+               fp32 tensors (weight decay, the two moments, sqrt(v), its bias correction and
+               eps, the update): 84 bytes; ``--fused-adamw`` (``fused=True``, one kernel) reads
+               weight, gradient and both moments and writes weight and moments: 28. So 96
+               bytes a parameter, or 40 fused (``ADAMW_BYTES``, by ``Plan.optimizer``;
+               tests/test_claims.py counts them on the real optimizer). A calibrated CPU times
                it instead (clipping, AdamW's step and zeroing the gradients on our model's
                parameters): seconds a parameter, times the parameters this rank updates.
 
@@ -83,11 +96,25 @@ from pathlib import Path
 from common.measure.theory import (DTYPE_BYTES, Plan, _dp_comm, checkpointed_blocks, cp_bytes_per_step,
                                    is_expert, is_root, layer_activation_bytes, pp_bytes_per_step, rank_shapes,
                                    tp_bytes_per_step)
-from common.model import ModelConfig, flops_per_token
+from common.model import ModelConfig
 
 GB = 1e9
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default (torch.nn.parallel.DistributedDataParallel)
-ADAMW_BYTES_PER_PARAM = 4 + 28  # clipping reads the gradient; AdamW reads p, g, m, v and writes p, m, v
+# Bytes read or written per parameter (fp32 tensors), counted on the real kernels by
+# tests/test_claims.py. Clipping: the norm reads each gradient (4), the scaling reads and
+# writes it (8): PyTorch scales every gradient, the factor clamped at 1, to avoid a host sync.
+CLIP_BYTES = 12
+# AdamW: foreach (CUDA's default) runs eight multi-tensor kernels, each reading and writing whole
+# tensors: p *= 1 - lr wd (8); m.lerp_(g) (12); v *= b2 (8); v.addcmul_(g, g) (16: g passed
+# twice); s = sqrt(v) (8); s /= sqrt(bias correction) (8); s += eps (8); p.addcdiv_(m, s) (16).
+# The for-loop (a CPU's default) runs the same ops a tensor at a time; fused reads p, g, m, v
+# and writes p, m, v in one kernel (28).
+ADAMW_BYTES = {"foreach": 84, "for-loop": 84, "fused": 28}
+
+
+def optimizer_bytes(kernels: str) -> int:
+    """Bytes per parameter of clipping + AdamW's step with ``kernels`` (Plan.optimizer)."""
+    return CLIP_BYTES + ADAMW_BYTES[kernels]
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -228,7 +255,21 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
 
 def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs of one block per token, causal attention counted as run (half)."""
-    return 6 * layer_matmul_params(cfg) + 6 * cfg.dim * seq_len
+    return 6 * layer_matmul_params(cfg) + attention_flops(cfg, seq_len)
+
+
+def attention_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """QK^T and AV of one block per token, forward and backward, as a causal kernel runs them:
+    half of PaLM's 6 x 2 x dim x seq (common/model.py's flops_per_token counts it whole)."""
+    return 6 * cfg.dim * seq_len
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The step-time model's FLOPs a token, the whole model forward and backward: every block's
+    (causal attention halved) and the output layer's. The planner's MFU and its "% of the rate
+    assumed" count these, as its compute term does; flops_per_token (the scripts' MFU) counts
+    attention whole, 6 x n_layers x dim x seq more."""
+    return cfg.n_layers * layer_flops(cfg, seq_len) + head_flops(cfg)
 
 
 def head_flops(cfg: ModelConfig) -> float:
@@ -238,6 +279,14 @@ def head_flops(cfg: ModelConfig) -> float:
 def recompute_flops(cfg: ModelConfig, seq_len: int, ac: str) -> float:
     """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third)."""
     return layer_flops(cfg, seq_len) / 3 if ac == "full" else 0.0
+
+
+def per_op_sac_flops(cfg: ModelConfig) -> float:
+    """Matmul FLOPs per token and block that torchtitan's per-op selective AC runs again:
+    it saves every second matmul's output (a count per block, saving the odd ones), so of
+    wq, wk, wv, wo, w1, w3, w2 it recomputes wk, wo and w3 in backward, 2 FLOPs a weight."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    return 2 * (d * kv + d * d + d * cfg.ffn_dim * max(1, min(cfg.n_experts, cfg.top_k)))
 
 
 # ---- one layout ---------------------------------------------------------------------------
@@ -274,8 +323,11 @@ def rank_shape(plan: Plan) -> tuple[int, int]:
     return plan.tp, max(1, plan.batch // dp // ((plan.microbatches or plan.pp) if plan.pp > 1 else plan.accum))
 
 
-def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
+def step_time(plan: Plan, machine: Machine, compiled: bool = False, per_op_sac: bool = False) -> dict:
     """Predicted seconds per optimizer step of ``plan`` on ``machine``, by term, for the slowest rank.
+
+    ``per_op_sac``: selective AC as torchtitan's "op" policy runs it (every second matmul
+    recomputed too), not as our scripts' (common/parallelize/ac.py: no matmul recomputed).
 
     Returns {"compute", "recompute", "exposed communication", "bubble", "optimizer", "step"}
     plus "comm" (a list of Comm, each collective's total and exposed time), "tokens_per_s",
@@ -305,6 +357,8 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
         dropped = layer_activation_bytes(cfg, seq_tokens, dtype, "none", tp, plan.sequence_parallel) - \
             layer_activation_bytes(cfg, seq_tokens, dtype, "selective", tp, plan.sequence_parallel)
         recompute = k * 2 * dropped / machine.hbm
+        if per_op_sac:
+            recompute += seq_tokens * k * per_op_sac_flops(cfg) / tp / rate
     forward, backward = compute / 3, 2 * compute / 3 + recompute
 
     comms: list[Comm] = []
@@ -394,7 +448,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
                                  checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every))["send"]
         c = _comm(machine, "send/recv (CP ring)", ring, 2, 1,
                   calls=cfg.n_layers * 3 * (cp - 1))
-        attention = seq_tokens * cfg.n_layers * 6 * cfg.dim * plan.seq_len / rate
+        attention = seq_tokens * cfg.n_layers * attention_flops(cfg, plan.seq_len) / rate
         c.exposed = max(0.0, c.time - attention)
         comms.append(c)
     if plan.strategy == "ep":  # the tokens' all-to-alls: dispatch and combine, forward and backward,
@@ -412,7 +466,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
 
     # the optimizer: the parameters this rank updates (theory.py's shards)
     updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
-    optimizer = updated * (machine.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / machine.hbm)
+    optimizer = updated * (machine.adamw_s_per_param or optimizer_bytes(plan.optimizer) / machine.hbm)
 
     # More ranks on a node than compute units (4 ranks on 2 CPU cores): the ranks take turns.
     # Everything above runs at one unit's rate; while all ranks compute, each gets units/ranks
@@ -441,10 +495,12 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
             "optimizer": optimizer, DISPATCH: dispatch, SHARED: waiting, "step": step, "comm": comms, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / plan.world, "rate": rate,
             # MFU against the spec sheet (None for a calibrated machine: its "peak" is what it reached),
-            # and against the rate assumed (how much of the reachable the layout keeps)
+            # and against the rate assumed, in the compute term's count: the share of the step the
+            # rank spends on the model's FLOPs (communication, bubble, optimizer and recompute are
+            # the rest; not counting the recompute is MFU's convention)
             "mfu": None if machine.calibrated_rate else
-            flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype]),
-            "mfu_of_rate": flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * rate)}
+            model_flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * machine.peak_flops[dtype]),
+            "mfu_of_rate": model_flops_per_token(cfg, plan.seq_len) * tokens / step / (plan.world * rate)}
 
 
 TERMS = ("compute", "recompute", "exposed communication", "bubble", "optimizer")
