@@ -355,3 +355,29 @@ def test_per_op_sac_recomputes_every_second_matmul():
 def replace_ac(p: Plan, ac: str) -> Plan:
     from dataclasses import replace
     return replace(p, ac=ac)
+
+
+def test_the_tutorials_own_model_plans_with_its_own_length_and_ties_are_said(capsys):
+    """--model small with no --seq-len plans at the model's 1024 (it once refused a 2048 nobody
+    gave), as does the estimator; rows the model predicts alike say that they tie, and a CP
+    ring's hops are named as a ring of cp ranks, not "over 2"."""
+    from tools import estimate
+    from tools.plan import build_parser, plan_text
+    from tools.plan import main as plan_main
+
+    args = build_parser().parse_args(["--model", "small", "--gpus", "4"])
+    plan_main(["--model", "small", "--gpus", "4"])
+    text = capsys.readouterr().out
+    assert "global batch 4 x 1024 tokens" in text
+    tie = next(line for line in text.splitlines() if " tie: " in line)
+    first, last = map(int, tie.split()[1].split("-"))
+    rows = {int(line.split("|")[1]): line.split("|")[4].strip() for line in text.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert last > first and len({rows[i] for i in range(first, last + 1)}) == 1  # the same step ms
+    estimate.main(["--model", "small", "--world-size", "4", "--strategy", "fsdp"])
+    assert "fits in" in capsys.readouterr().out
+    args = build_parser().parse_args(["--model", "8b", "--gpus", "8", "--global-batch-size", "16", "--seq-len",
+                                      "8192", "--vocab-size", "128256", "--top", "40"])
+    text = plan_text(args)
+    assert "send/recv (CP ring) around a ring of 8, each rank to its neighbour" in text
+    assert "(CP ring) over " not in text

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel degree under --strategy ep (train_ep.py --ep; default: the world size)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the world size)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: 2048, or the model's longest where that is shorter)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
     p.add_argument("--ac", default="none", choices=("none", "full", "selective"),
                    help="activation checkpointing (default: none)")
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check(args) -> None:
     if args.model not in PRESETS:
         raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
+    default_seq_len(args)
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all" and strategy not in STRATEGIES:
         raise UserError(f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}, fsdp or all.")
@@ -147,6 +149,13 @@ def check(args) -> None:
     if args.vocab_size is not None and not 2 <= args.vocab_size <= 2**31 - 1:
         raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {args.vocab_size}).")
     model_config(args)
+
+
+def default_seq_len(args, usual: int = 2048) -> None:
+    """--seq-len when none is given: 2048, or the model's longest where that is shorter (the
+    tutorial's small model takes 1024); a length given is held to the model (model_config)."""
+    if args.seq_len is None:
+        args.seq_len = min(usual, get_config(args.model).max_seq_len)
 
 
 def model_config(args):

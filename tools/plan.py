@@ -39,7 +39,7 @@ from common.errors import UserError, main_guard  # noqa: E402
 from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
-from tools.estimate import HEADROOM_GIB, check_layouts, label, model_config, worst_rank  # noqa: E402
+from tools.estimate import HEADROOM_GIB, check_layouts, default_seq_len, label, model_config, worst_rank  # noqa: E402
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a machine measured by --calibrate (a calibration.json) instead of --gpu")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per optimizer step (default: the number of GPUs)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: 2048, or the model's longest where that is shorter)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: bf16 AMP)")
     p.add_argument("--ac", default="all", choices=("all", *AC_MODES),
                    help="activation checkpointing modes to consider (default: all three)")
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check(args) -> None:
     if args.model not in PRESETS:
         raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
+    default_seq_len(args)
     if args.gpu not in GPUS:
         raise UserError(f"unknown --gpu {args.gpu!r}; choose one of {', '.join(GPUS)}, or measure this machine "
                         f"with --calibrate.")
@@ -255,6 +257,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ties(rows: list[dict]) -> list[str]:
+    """A line for each run of rows with the same predicted step: the model charges them
+    alike (every term equal to the microsecond), so their order is the smaller peak first."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and round(rows[j + 1]["time"]["step"], 6) == round(rows[i]["time"]["step"], 6):
+            j += 1
+        if j > i:
+            out.append(f"rows {i + 1}-{j + 1} tie: the model predicts the same step for each (what tells them apart "
+                       f"costs no time it charges), so the smaller peak comes first; measure them to choose.")
+        i = j + 1
+    return [""] + out if out else []
+
+
 def plan_text(args) -> str:
     """What ``python -m tools.plan`` prints for ``args`` (the chapter's blocks are this text)."""
     cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
@@ -284,6 +301,7 @@ def plan_text(args) -> str:
         for i, r in enumerate(fit[:args.top], 1):
             from common.measure.steptime import explain
             out += [f"{i}. {layout_name(r['plan'])}: " + explain(r["time"]), f"   {command(r['plan'], args, per_node)}"]
+        out += ties(fit[:args.top])
     closest = sorted((d for d in dropped if "peak" in d), key=lambda d: d["peak"])
     shown = dropped if args.show_dropped else closest[:3]
     if shown:

@@ -299,9 +299,11 @@ class Comm:
     time: float
     exposed: float
     where: str
+    between: str | None = None  # who talks, where "over <group>" would mislead (a ring's hops are pairwise)
 
     def row(self) -> str:
-        return f"{self.name} over {self.group} ({self.where}): {self.time * 1e3:.1f} ms, {self.exposed * 1e3:.1f} exposed"
+        who = self.between or f"over {self.group}"
+        return f"{self.name} {who} ({self.where}): {self.time * 1e3:.1f} ms, {self.exposed * 1e3:.1f} exposed"
 
 
 def collective_time(op: str, nbytes: float, n: int, link: Link, calls: int = 1) -> float:
@@ -448,6 +450,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False, per_op_sac: 
                                  checkpointed_blocks(cfg.n_layers, plan.ac, plan.ac_every))["send"]
         c = _comm(machine, "send/recv (CP ring)", ring, 2, 1,
                   calls=cfg.n_layers * 3 * (cp - 1))
+        c.between = f"around a ring of {cp}, each rank to its neighbour"  # priced as pairs: one hop at a time
         attention = seq_tokens * cfg.n_layers * attention_flops(cfg, plan.seq_len) / rate
         c.exposed = max(0.0, c.time - attention)
         comms.append(c)
