@@ -496,7 +496,7 @@ class Checkpointer:
                             f"the one before it, or start without --resume.") from None
         self._load_state(state)
         if self.scheduler and meta["scheduler"]:
-            self.scheduler.load_state_dict(meta["scheduler"])
+            self.scheduler.load_state_dict(per_group(meta["scheduler"], len(self.scheduler.optimizer.param_groups)))
             # load_state_dict restores the schedule's position but not the optimizer's
             # current lr; the saved param_groups may hold a stale one (ZeRO-1's inner
             # optimizer only learns the lr at its next step). Set it from the schedule.
@@ -769,6 +769,20 @@ def skip_nonfinite_step(optimizer, ctx, enabled: bool):
                     p.grad = None
 
     return optimizer.register_step_pre_hook(hook)
+
+
+def per_group(scheduler_state: dict, groups: int) -> dict:
+    """A learning-rate schedule's saved state with one entry a group for ``groups`` groups.
+    The schedule keeps a list per parameter group (base_lrs, the last lrs, the lambdas'
+    state), and layouts have different numbers of groups (common/training.py: one per kind of
+    parameter; TP two, DDP one). Every group runs the same schedule, so the first entry
+    serves them all; a list left at the saving layout's length would leave a group's
+    learning rate behind, or fail."""
+    state = dict(scheduler_state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(state.get(key), list) and state[key] and len(state[key]) != groups:
+            state[key] = state[key][:1] * groups
+    return state
 
 
 def _flatten_optim(sd: dict) -> dict:

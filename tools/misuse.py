@@ -134,11 +134,12 @@ CASES: dict[str, Case] = {
         [S1, *T, "--steps", "4", "--resume", "--lr", "0.001", "--seed", "1"],
         "holds a checkpoint of another run (step_00000001): --lr 0.003 there, 0.001 here; --seed 0 there, 1 here",
         "--lr", "the same flags, another --out, or delete its checkpoints", setup="checkpoint"),
+    # (a finished run there is moved aside instead: common/checkpoint.py:keep_finished_run)
     "beside another run's checkpoint": Case(
-        "`--ckpt-every` into an `--out` holding another run's checkpoints", [S1, *T, "--ckpt-every", "1",
-                                                                           "--global-batch-size", "8"],
+        "`--ckpt-every` into an `--out` holding an unfinished run's checkpoints", [S1, *T, "--ckpt-every", "1",
+                                                                                "--global-batch-size", "8"],
         "holds a checkpoint of another run (step_00000001): --global-batch-size 4 there, 8 here", "--global-batch-size",
-        "the same flags with --resume, another --out, or delete its checkpoints", setup="checkpoint"),
+        "the same flags with --resume, another --out, or delete its checkpoints", setup="unfinished"),
     "finished run": Case("`--resume` of a run that is done", [S1, *T, "--resume"],
                          "is at step 1, the last of --steps 2 or past it: nothing is left to train", "--steps",
                          "raise --steps to continue", setup="checkpoint"),
@@ -462,6 +463,12 @@ def _checkpoint(tmp: Path, cache: dict):
 
 def checkpoint(tmp, cache):
     _checkpoint(tmp, cache)
+
+
+def unfinished(tmp, cache):
+    """The checkpointed run as a crash leaves it: checkpoints, and no summary.json."""
+    _checkpoint(tmp, cache)
+    (tmp / "out" / "summary.json").unlink()
 
 
 def bad_meta(tmp, cache):
