@@ -15,3 +15,12 @@ sys.path.insert(0, str(ROOT))
 # process keeps its own count (read first, so the variable no longer changes it).
 torch.get_num_threads()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Every test names the device it means (--device cpu, or cuda where it is about a GPU): "auto"
+# picks a GPU wherever one is visible, and a test written for gloo ranks on a CPU then runs
+# somewhere else. Set here, for this process and every one it starts, "auto" stops the run with
+# one sentence on any machine, so a launch that forgets --device fails here too, not only on a
+# GPU machine (common/distributed.py:resolve_device; tests/test_distributed.py checks it).
+from common.distributed import NAME_THE_DEVICE  # noqa: E402
+
+os.environ[NAME_THE_DEVICE] = "1"
