@@ -176,6 +176,11 @@ def test_every_gpu_pass_command_parses_and_its_checks_cover_gpu_check(monkeypatc
     only = [c[c.index("--only") + 1] for p in gpu_pass.parts() for c in p.commands if "--only" in c]
     covered = [c.name for c in gpu_check.CHECKS if c.name.startswith(tuple(",".join(only).split(",")))]
     assert covered == [c.name for c in gpu_check.CHECKS]  # nothing of gpu_check is left out of the pass
+    # the suite on a GPU machine's cores: one test file to a worker (its launches share folders)
+    import importlib.util
+    (suite,) = next(p for p in gpu_pass.parts() if p.name == "tests").commands
+    assert suite == gpu_check.suite_command() and suite[1:3] == ["-m", "pytest"]
+    assert (suite[-4:] == ["-n", "auto", "--dist", "loadfile"]) == bool(importlib.util.find_spec("xdist"))
 
 
 def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys):

@@ -216,11 +216,18 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
                   "final_loss": s["final_loss"]}
 
 
+def suite_command() -> list[str]:
+    """The test suite as a GPU machine runs it: on all its cores when pytest-xdist is there, one
+    test file to a worker (--dist loadfile: a file's tests share its launches and folders)."""
+    import importlib.util
+    xdist = ["-n", "auto", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist]
+
+
 def run_tests(timeout_s: float) -> dict:
     t = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(suite_command(), cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"ok": False, "summary": f"the test suite did not finish in {timeout_s:.0f} s", "wall_s": timeout_s}
     tail = [ln for ln in r.stdout.splitlines() if ln.strip()]
