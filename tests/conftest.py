@@ -24,3 +24,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from common.distributed import NAME_THE_DEVICE  # noqa: E402
 
 os.environ[NAME_THE_DEVICE] = "1"
+
+
+def hang_limit(seconds: float) -> float:
+    """A hang detector's limit, set for a launch on an idle 2-core machine, stretched when
+    pytest-xdist runs test files side by side: each worker's launches then share the cores with
+    the others' (15 workers on 16 cores: about 2x). A module fixture that outlives its limit
+    fails every test of its file, as errors at the end of the run."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return seconds * max(1.0, workers * 2 / (os.cpu_count() or 2))

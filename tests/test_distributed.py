@@ -57,6 +57,22 @@ def test_the_suite_never_lets_auto_pick_the_device(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {e.value}", r.stderr[-2000:]
 
 
+def test_hang_detectors_stretch_with_the_workers_sharing_the_cores(monkeypatch):
+    """The module fixtures' time limits were set for one test process on 2 cores; under
+    ``-n auto --dist loadfile`` every worker's launches share the cores with the others'."""
+    from conftest import hang_limit
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert hang_limit(240) == 240  # one process: as set
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "15")
+    assert hang_limit(240) == pytest.approx(450)  # the H200's 15 workers on 16 cores
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    assert hang_limit(240) == 240  # cores to spare: never shorter
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert hang_limit(240) == 480
+
+
 def test_ranks_take_their_local_gpu_given_a_gpu_count(monkeypatch):
     """rank_device reads what torchrun sets: the second node's ranks 4-7 are its local
     ranks 0-3, and take GPUs 0-3 (tests/test_checkpoint.py asks the same in a real launch

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, hang_limit
 
-TIMEOUT_S = 240  # a hang detector: both launches take about 40 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(240)  # a hang detector: both launches take about 40 s on an idle 2-core machine
 FLAGS = ["--model", "debug", "--steps", "4", "--seq-len", "32", "--global-batch-size", "4", "--data", "synthetic",
          "--eval-batches", "0", "--no-trace-memory", "--device", "cpu"]
 S3 = "step3_multi_gpu/"
