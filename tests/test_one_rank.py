@@ -270,7 +270,8 @@ def test_gpu_check_merge_keeps_every_row_and_refuses_another_gpu(tmp_path, capsy
     assert {r["name"]: r.get("step_time_s") for r in report["runs"]}["02_amp"] == 0.04
     assert "| 03_tp | `t.py` (125m) | 1 | no: RuntimeError: mixed torch.Tensor and DTensor |" in md
     assert "| 02_amp | `s.py` (125m) | 1 | yes | 40.0 ms |" in md
-    assert "--merge gpu_check_a.json gpu_check_b.json --note NOTE` from gpu_check_a.json (2 runs, 10 s)" in md
+    assert ("--merge REPORT.json REPORT.json --note NOTE` from 2 reports of that machine, one a part: 02, 1b (2 runs, "
+            "10 s); 01, 02, 03 (3 runs, 10 s).") in md  # what each part ran, not the files: they are not here
     assert "NOTE: measured side by side" in md and report["note"] == "measured side by side"
     assert sorted(p.name for p in out.glob("*.png")) == ["01_x_a_cuda_h200.png", "01_x_b_cuda_h200.png"]
     assert gpu_check.markdown({**report, "merged": None, "note": None}).splitlines()[1:3] == ["", "| run | " + md.split(
@@ -294,7 +295,7 @@ def test_the_h200_report_in_figs_keeps_every_run_and_its_errors():
     assert [r["name"] for r in report["runs"]] == [c.name for c in gpu_check.CHECKS]
     failed = [r for r in report["runs"] if not r["ok"]]
     assert len(failed) == 8 and all(r["error"] for r in failed)  # the foreach and pipeline timer bugs
-    assert [m["file"] for m in report["merged"]] == ["gpu_check_01_02.json", "gpu_check_1b.json", "gpu_check_03.json"]
+    assert [m["prefixes"] for m in report["merged"]] == [["01", "02"], ["1b"], ["03"]]
     for c in gpu_check.CHECKS:
         if c.figure and any(r["name"] == c.name and r["ok"] for r in report["runs"]):
             assert (ROOT / "figs" / f"{c.figure}_cuda_h200.png").exists(), c.figure

@@ -241,8 +241,9 @@ def markdown(report: dict) -> str:
     lines = [f"Made by `python -m tools.gpu_check` on {report['gpus']} x {report['device']}, torch {report['torch']}, "
              f"{report['date']}.", ""]
     if report.get("merged"):  # several partial runs, joined here by --merge
-        parts = "; ".join(f"{m['file']} ({m['runs']} runs, {m['wall_s']:.0f} s)" for m in report["merged"])
-        lines += [f"Joined by `python -m tools.gpu_check {' '.join(report['merge_argv'])}` from {parts}.", ""]
+        parts = "; ".join(f"{', '.join(m['prefixes'])} ({m['runs']} runs, {m['wall_s']:.0f} s)" for m in report["merged"])
+        lines += [f"Joined by `python -m tools.gpu_check {' '.join(report['merge_argv'])}` from {len(report['merged'])} "
+                  f"reports of that machine, one a part: {parts}.", ""]
     if report.get("note"):
         lines += [f"NOTE: {report['note']}", ""]
     lines += [
@@ -322,9 +323,11 @@ def merge(paths: list[str], report_dir: Path = ROOT / "figs", note: str = "") ->
               "runs": sorted(rows.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order)),
               "tests": next((r["tests"] for _, r in reversed(reports) if r.get("tests")), None),
               "wall_s": sum(r.get("wall_s") or 0 for _, r in reports),
-              "merged": [{"file": path.name, "runs": len(r["runs"]), "wall_s": r.get("wall_s") or 0, "date": r["date"]}
-                         for path, r in reports],
-              "merge_argv": ["--merge", *(path.name for path, _ in reports), *(["--note", "NOTE"] if note else [])]}
+              # what each part ran (its runs' name prefixes, as --only takes them), not the files: they
+              # stay on the machine that made them, and the report holds all they said
+              "merged": [{"prefixes": sorted({row["name"].split("_")[0] for row in r["runs"]}), "runs": len(r["runs"]),
+                          "wall_s": r.get("wall_s") or 0, "date": r["date"]} for _, r in reports],
+              "merge_argv": ["--merge", *["REPORT.json"] * len(reports), *(["--note", "NOTE"] if note else [])]}
     if note:
         report["note"] = note
     report_dir = Path(report_dir)
