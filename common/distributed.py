@@ -78,6 +78,13 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+# Set (to anything), "auto" asks the hardware nothing and stops the run: tests/conftest.py sets
+# it for the suite and every process it starts, because "auto" picks a GPU wherever one is
+# visible, and a test written for gloo ranks on a CPU (four ranks, one GPU) then fails or, worse,
+# passes while checking something else. Every test names its device.
+NAME_THE_DEVICE = "TUTORIAL_NAME_THE_DEVICE"
+
+
 def resolve_device(device: str, local_rank: int, local_world_size: int, device_count: int | None = None) -> torch.device:
     """The device of the rank that is ``local_rank`` of ``local_world_size`` on its node.
 
@@ -85,7 +92,9 @@ def resolve_device(device: str, local_rank: int, local_world_size: int, device_c
     local rank 1, and there is no GPU 5). ``device_count``: the GPUs visible, by default
     the real count; a test passes one to ask what a rank would choose on a GPU node."""
     if device_count is None:
-        # CUDA path: tests/test_distributed.py takes it with a GPU count given (device_count)
+        if device == "auto" and os.environ.get(NAME_THE_DEVICE):
+            raise UserError(f"--device auto: this process must name its device ({NAME_THE_DEVICE} is set, as the "
+                            f"test suite sets it); pass --device cpu or --device cuda.")
         # CUDA path: tests/test_distributed.py::test_ranks_take_their_local_gpu_given_a_gpu_count,
         # tests/test_distributed.py::test_cuda_without_a_gpu_is_a_clear_error
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0

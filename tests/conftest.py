@@ -23,3 +23,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # (0). Set before anything imports common.training.
 os.environ.setdefault("TUTORIAL_CUDA_PATHS", "1")
 CUDA_PATHS = os.environ["TUTORIAL_CUDA_PATHS"] == "1"
+
+# Every test names the device it means (--device cpu, or cuda where it is about a GPU): "auto"
+# picks a GPU wherever one is visible, and a test written for gloo ranks on a CPU then runs
+# somewhere else. Set here, for this process and every one it starts, "auto" stops the run with
+# one sentence on any machine, so a launch that forgets --device fails here too, not only on a
+# GPU machine (common/distributed.py:resolve_device; tests/test_distributed.py checks it).
+from common.distributed import NAME_THE_DEVICE  # noqa: E402
+
+os.environ[NAME_THE_DEVICE] = "1"
+
+
+def hang_limit(seconds: float) -> float:
+    """A hang detector's limit, set for a launch on an idle 2-core machine, stretched when
+    pytest-xdist runs test files side by side: each worker's launches then share the cores with
+    the others' (15 workers on 16 cores: about 2x). A module fixture that outlives its limit
+    fails every test of its file, as errors at the end of the run."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return seconds * max(1.0, workers * 2 / (os.cpu_count() or 2))

@@ -25,9 +25,10 @@ from common.model import count_params, get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
+from conftest import hang_limit
 from tests.tolerances import check_bf16_parity, check_dry_run, check_optimizer_path, dry_runs
 
-TIMEOUT_S = 240  # a hang detector: both jobs take about 30 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs take about 30 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 3, 4, 32
 CP = "step3_multi_gpu/train_cp.py"
 COMMON = ["--model", "debug", "--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ),

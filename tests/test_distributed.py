@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from common.distributed import resolve_device
+from common.distributed import NAME_THE_DEVICE, resolve_device
 from common.errors import UserError
 from conftest import ROOT
 
@@ -20,6 +20,7 @@ def _torchrun(n, *args, timeout=180):
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv(NAME_THE_DEVICE)  # "auto" itself is under test, on a pretended GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="4 ranks per node but only 1 visible GPU"):
@@ -28,10 +29,48 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv(NAME_THE_DEVICE)  # "auto" itself is under test, with no GPU pretended
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="no CUDA GPU is visible"):
         resolve_device("cuda", 0, 1)
     assert resolve_device("auto", 0, 1) == torch.device("cpu")
+
+
+def test_the_suite_never_lets_auto_pick_the_device(tmp_path):
+    """No test may depend on which device "auto" picks (on a GPU machine it picks the GPU, and
+    a test of four gloo ranks lands on one GPU): tests/conftest.py sets NAME_THE_DEVICE for the
+    suite and every process it starts, and "auto" then stops with one sentence whatever the
+    machine has, so a launch without --device fails on this CPU machine too. Asking what "auto"
+    would choose for a given GPU count (as the tests above do) stays possible."""
+    assert os.environ.get(NAME_THE_DEVICE)
+    with pytest.raises(UserError) as e:
+        resolve_device("auto", 0, 1)
+    assert str(e.value) == (f"--device auto: this process must name its device ({NAME_THE_DEVICE} is set, as the "
+                            f"test suite sets it); pass --device cpu or --device cuda.")
+    assert resolve_device("cpu", 0, 1) == torch.device("cpu")
+    assert resolve_device("auto", 0, 1, device_count=1) == torch.device("cuda", 0)  # a question, not a choice
+    # a launched script inherits it: the sentence, exit 2, no training
+    r = subprocess.run([sys.executable, str(ROOT / "step1_single_gpu" / "train.py"), "--model", "debug", "--steps", "1",
+                        "--seq-len", "32", "--global-batch-size", "2", "--no-trace-memory", "--eval-batches", "0",
+                        "--data", "synthetic", "--device", "auto", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {e.value}", r.stderr[-2000:]
+
+
+def test_hang_detectors_stretch_with_the_workers_sharing_the_cores(monkeypatch):
+    """The module fixtures' time limits were set for one test process on 2 cores; under
+    ``-n auto --dist loadfile`` every worker's launches share the cores with the others'."""
+    from conftest import hang_limit
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert hang_limit(240) == 240  # one process: as set
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "15")
+    assert hang_limit(240) == pytest.approx(450)  # the H200's 15 workers on 16 cores
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    assert hang_limit(240) == 240  # cores to spare: never shorter
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert hang_limit(240) == 480
 
 
 def test_ranks_take_their_local_gpu_given_a_gpu_count(monkeypatch):

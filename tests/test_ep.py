@@ -27,9 +27,10 @@ from common import ROOT
 from common.measure.theory import Plan, predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
+from conftest import hang_limit
 from tests.tolerances import check_bf16_parity, check_optimizer_path, dry_runs
 
-TIMEOUT_S = 240  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
 EP = "step3_multi_gpu/train_ep.py"
 COMMON = ["--model", "debug-moe", "--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ),

@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT))
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
 from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
+from conftest import hang_limit  # noqa: E402
 from tests.tolerances import check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
 
-TIMEOUT_S = 280  # a hang detector: the jobs take about 70 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(280)  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
 COMMON = ["--steps", str(STEPS), "--global-batch-size", str(BATCH), "--seq-len", str(SEQ), "--data", "synthetic",
           "--eval-batches", "0", "--save-weights", "--max-norm", "0.5",  # every step clips

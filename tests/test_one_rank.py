@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, hang_limit
 
-TIMEOUT_S = 240  # a hang detector: both launches take about 40 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(240)  # a hang detector: both launches take about 40 s on an idle 2-core machine
 FLAGS = ["--model", "debug", "--steps", "4", "--seq-len", "32", "--global-batch-size", "4", "--data", "synthetic",
          "--eval-batches", "0", "--no-trace-memory", "--device", "cpu"]
 S3 = "step3_multi_gpu/"
@@ -127,10 +127,11 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
         assert summary["dry_run"] == {"rank": 0, "world_size": 4}
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
+    import os
+    # CUDA_VISIBLE_DEVICES="": no GPU for the child, whatever this machine has
     r = subprocess.run([sys.executable, "-m", "tools.gpu_check"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+                       timeout=60, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: no CUDA GPU is visible here (or this torch has no CUDA); run "
                                              "this on a GPU machine, or pass --cpu for the same runs at toy scale "
@@ -179,6 +180,11 @@ def test_every_gpu_pass_command_parses_and_its_checks_cover_gpu_check(monkeypatc
     only = [c[c.index("--only") + 1] for p in gpu_pass.parts() for c in p.commands if "--only" in c]
     covered = [c.name for c in gpu_check.CHECKS if c.name.startswith(tuple(",".join(only).split(",")))]
     assert covered == [c.name for c in gpu_check.CHECKS]  # nothing of gpu_check is left out of the pass
+    # the suite on a GPU machine's cores: one test file to a worker (its launches share folders)
+    import importlib.util
+    (suite,) = next(p for p in gpu_pass.parts() if p.name == "tests").commands
+    assert suite == gpu_check.suite_command() and suite[1:3] == ["-m", "pytest"]
+    assert (suite[-4:] == ["-n", "auto", "--dist", "loadfile"]) == bool(importlib.util.find_spec("xdist"))
 
 
 def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys):
@@ -237,3 +243,63 @@ def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys)
                            (["--budget", "10"], "error: --budget must be between 60 and 3600 seconds (got 10)")]:
         assert gpu_pass.main(argv) == 2
         assert capsys.readouterr().err.strip().splitlines() == [sentence]
+
+
+def test_gpu_check_merge_keeps_every_row_and_refuses_another_gpu(tmp_path, capsys):
+    """Reports made in parts (``--only``, in copies of the tree) join into one: every row of
+    each, a failed one with its error, in CHECKS order (a later report's row of the same name
+    wins), the figures beside the reports copied in, the note carried. Another GPU's or torch's
+    report is refused in one sentence. The H200's report in figs/ was made this way."""
+    from tools import gpu_check
+
+    head = {"device": "NVIDIA H200", "gpus": 1, "torch": "2.11.0+cu130", "date": "2026-11-26", "tests": None}
+    ok = {"ok": True, "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "dtype": "bf16",
+          "allocator_peak_bytes": 2**30, "traced_peak_bytes": 2**30, "final_loss": 5.0, "flags": [], "scale": "125m",
+          "ranks": 1, "fake_world_size": None, "script": "s.py"}
+    parts = {"a": [{**ok, "name": "1b_amp"}, {**ok, "name": "02_amp", "step_time_s": 0.5}],
+             "b": [{"name": "03_tp", "ok": False, "error": "RuntimeError: mixed torch.Tensor and DTensor",
+                    "flags": [], "scale": "125m", "ranks": 1, "fake_world_size": None, "script": "t.py"},
+                   {**ok, "name": "02_amp", "step_time_s": 0.04}, {**ok, "name": "01_baseline"}]}
+    paths = []
+    for key, runs in parts.items():
+        (tmp_path / key / "figs").mkdir(parents=True)
+        (tmp_path / key / "figs" / f"0{len(key)}_x_{key}_cuda_h200.png").write_bytes(b"png")
+        (tmp_path / key / "figs" / "01_other_cuda_h100.png").write_bytes(b"another GPU's")
+        paths.append(tmp_path / key / f"gpu_check_{key}.json")
+        paths[-1].write_text(json.dumps({**head, "runs": runs, "wall_s": 10.0}))
+    out = tmp_path / "out"
+    md = gpu_check.merge([str(p) for p in paths], out, note="measured side by side").read_text()
+    report = json.loads((out / "gpu_check_h200.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["01_baseline", "02_amp", "1b_amp", "03_tp"]
+    assert {r["name"]: r.get("step_time_s") for r in report["runs"]}["02_amp"] == 0.04
+    assert "| 03_tp | `t.py` (125m) | 1 | no: RuntimeError: mixed torch.Tensor and DTensor |" in md
+    assert "| 02_amp | `s.py` (125m) | 1 | yes | 40.0 ms |" in md
+    assert ("--merge REPORT.json REPORT.json --note NOTE` from 2 reports of that machine, one a part: 02, 1b (2 runs, "
+            "10 s); 01, 02, 03 (3 runs, 10 s).") in md  # what each part ran, not the files: they are not here
+    assert "NOTE: measured side by side" in md and report["note"] == "measured side by side"
+    assert sorted(p.name for p in out.glob("*.png")) == ["01_x_a_cuda_h200.png", "01_x_b_cuda_h200.png"]
+    assert gpu_check.markdown({**report, "merged": None, "note": None}).splitlines()[1:3] == ["", "| run | " + md.split(
+        "| run | ", 1)[1].split("\n", 1)[0]]  # a report not merged reads as before
+
+    (tmp_path / "c.json").write_text(json.dumps({**head, "torch": "2.13.0", "runs": []}))
+    assert gpu_check.main(["--merge", str(paths[0]), str(tmp_path / "c.json"), "--report-dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --merge: c.json was made with torch '2.13.0', gpu_check_a.json with '2.11.0+cu130': merge one "
+        "GPU's reports from one torch"]
+    assert gpu_check.main(["--merge", str(tmp_path / "nope.json")]) == 2
+    assert "no report at" in capsys.readouterr().err
+
+
+def test_the_h200_report_in_figs_keeps_every_run_and_its_errors():
+    """figs/gpu_check_h200.json is the H200's three reports joined (01/02, 1b, 03): every run
+    gpu_check has, the failures with their error lines, and the figures it names beside it."""
+    from tools import gpu_check
+    report = json.loads((ROOT / "figs" / "gpu_check_h200.json").read_text())
+    assert (report["device"], report["torch"], report["date"]) == ("NVIDIA H200", "2.11.0+cu130", "2026-11-26")
+    assert [r["name"] for r in report["runs"]] == [c.name for c in gpu_check.CHECKS]
+    failed = [r for r in report["runs"] if not r["ok"]]
+    assert len(failed) == 8 and all(r["error"] for r in failed)  # the foreach and pipeline timer bugs
+    assert [m["prefixes"] for m in report["merged"]] == [["01", "02"], ["1b"], ["03"]]
+    for c in gpu_check.CHECKS:
+        if c.figure and any(r["name"] == c.name and r["ok"] for r in report["runs"]):
+            assert (ROOT / "figs" / f"{c.figure}_cuda_h200.png").exists(), c.figure

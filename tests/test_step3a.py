@@ -398,7 +398,7 @@ def test_bad_input_is_one_clear_sentence(job4):
 
 def test_a_real_process_exits_2_with_the_sentence():
     r = subprocess.run([sys.executable, "step3_multi_gpu/train_fsdp.py", "--model", "debug", "--data", "synthetic",
-                        "--hsdp", "2", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--hsdp", "2", "2", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == ("error: a 2 x 2 mesh (replicate, shard) needs 4 ranks but 1 were launched; "
                                 "make the product equal the world size.")
@@ -406,7 +406,7 @@ def test_a_real_process_exits_2_with_the_sentence():
 
 def test_plain_python_runs_one_rank_and_says_how_to_launch(tmp_path):
     r = subprocess.run([sys.executable, "step3_multi_gpu/train_ddp.py", "--model", "debug", "--data", "synthetic",
-                        "--steps", "2", "--seq-len", "32", "--global-batch-size", "2", "--eval-batches", "0",
+                        "--device", "cpu", "--steps", "2", "--seq-len", "32", "--global-batch-size", "2", "--eval-batches", "0",
                         "--no-trace-memory", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from common import ROOT
+from common.distributed import resolve_device
 from common.errors import UserError, main_guard
 from common.measure import syncs
 from common.measure.metrics import peak_flops
@@ -121,10 +122,9 @@ def main(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile both (default: on a GPU, off on a CPU, where Inductor takes minutes)")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (ratios only).")
+    device = resolve_device(args.device, 0, 1)
     gpu = device.type == "cuda"
     scale = args.scale or ("125m" if gpu else "toy")
     steps = args.steps if args.steps is not None else (20 if gpu else 5)

@@ -608,7 +608,16 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
     if not reports:
         return {"gpu-check": "No GPU report is in figs/ yet: `python -m tools.gpu_check` on a CUDA machine writes "
                              "one (figs/gpu_check_<gpu>.md), and this command copies it here."}
-    return {"gpu-check": "\n\n".join(p.read_text().strip() for p in reports)}
+    parts = []
+    for p in reports:
+        slug = p.stem.removeprefix("gpu_check_")
+        pngs = sorted((ROOT / "figs").glob(f"*_cuda_{slug}.png"))
+        rows = [f"| {png.name.split('_cuda_')[0]} | [CPU](figs/{png.name.split('_cuda_')[0]}.png) | "
+                f"[{slug.upper()}](figs/{png.name}) |" for png in pngs]
+        figs = (f"\n\nThe memory figures of these runs, beside the CPU ones the chapters show (the same layout):\n\n"
+                f"| figure | CPU | CUDA |\n|---|---|---|\n" + "\n".join(rows)) if rows else ""
+        parts.append(p.read_text().strip() + figs)
+    return {"gpu-check": "\n\n".join(parts)}
 
 
 def float8_table(suffix: str = "") -> dict[str, str]:
@@ -885,16 +894,17 @@ def launch(job: list[Run], suffix: str, device: str, bar) -> None:
 
 
 def record_provenance(written: list[Path], device: str, argv: list[str], path: Path = ROOT / "figs" / "made_on.json",
-                      tool: str = "python -m tools.figures"):
+                      tool: str = "python -m tools.figures", entry: dict | None = None):
     """Remember, per file in figs/, the device, torch version, date and command that made it:
-    regenerating one chapter keeps the others' entries."""
+    regenerating one chapter keeps the others' entries. ``entry``: those four, when the files
+    were made on another machine (a GPU's reports, merged here)."""
     import datetime
 
     import torch
     made = json.loads(path.read_text()) if path.exists() else {}
-    entry = {"device": this_device(device), "torch": torch.__version__.split("+")[0],
-             "date": datetime.date.today().isoformat(),
-             "command": " ".join([tool, *argv])}
+    entry = entry or {"device": this_device(device), "torch": torch.__version__.split("+")[0],
+                      "date": datetime.date.today().isoformat(),
+                      "command": " ".join([tool, *argv])}
     made.update({p.name: entry for p in written})
     made = {k: v for k, v in sorted(made.items()) if (path.parent / k).exists()}
     path.write_text(json.dumps(made, indent=1) + "\n")

@@ -15,11 +15,13 @@ It writes one report, ``figs/gpu_check_<gpu>.md`` (and ``.json``, which
 (or the error's last line), step time, tokens/s, MFU, and the CUDA allocator's peak against
 the memory tracer's; and the CUDA memory figures, ``figs/<figure>_cuda_<gpu>.png``.
 
-    python -m tools.gpu_check                 # everything (8 minutes on one H100 before the dry runs)
+    python -m tools.gpu_check                 # everything
     python -m tools.gpu_check --no-tests      # the runs only
     python -m tools.gpu_check --only 02       # the runs whose names start with 02 (01,02: either)
     python -m tools.gpu_check --cpu           # the uncompiled runs at toy scale on the CPU, no
                                               # tests (the test suite runs it, so it cannot rot)
+    python -m tools.gpu_check --merge A.json B.json --note "..."   # here, no GPU: reports made in
+                                              # parts (--only, in copies of the tree) joined into figs/
 
 Without a GPU (and without ``--cpu``) it says so in one sentence and exits with 2.
 """
@@ -214,11 +216,18 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
                   "final_loss": s["final_loss"]}
 
 
+def suite_command() -> list[str]:
+    """The test suite as a GPU machine runs it: on all its cores when pytest-xdist is there, one
+    test file to a worker (--dist loadfile: a file's tests share its launches and folders)."""
+    import importlib.util
+    xdist = ["-n", "auto", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist]
+
+
 def run_tests(timeout_s: float) -> dict:
     t = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(suite_command(), cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"ok": False, "summary": f"the test suite did not finish in {timeout_s:.0f} s", "wall_s": timeout_s}
     tail = [ln for ln in r.stdout.splitlines() if ln.strip()]
@@ -230,7 +239,14 @@ def run_tests(timeout_s: float) -> dict:
 def markdown(report: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB" if b else "-"  # noqa: E731
     lines = [f"Made by `python -m tools.gpu_check` on {report['gpus']} x {report['device']}, torch {report['torch']}, "
-             f"{report['date']}.", "",
+             f"{report['date']}.", ""]
+    if report.get("merged"):  # several partial runs, joined here by --merge
+        parts = "; ".join(f"{', '.join(m['prefixes'])} ({m['runs']} runs, {m['wall_s']:.0f} s)" for m in report["merged"])
+        lines += [f"Joined by `python -m tools.gpu_check {' '.join(report['merge_argv'])}` from {len(report['merged'])} "
+                  f"reports of that machine, one a part: {parts}.", ""]
+    if report.get("note"):
+        lines += [f"NOTE: {report['note']}", ""]
+    lines += [
              "| run | script and flags | ranks | ran | step time | tokens/s | MFU | allocator peak | traced peak | "
              "traced / allocator |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
@@ -264,6 +280,69 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(report: dict, report_dir: Path, slug: str, started_at: float, argv: list[str], device: str,
+                 made_on: dict | None = None) -> None:
+    """figs/gpu_check_<slug>.json and .md; in figs/, also which machine made them (made_on.json)
+    and the README's copies. ``made_on``: the machine's entry when the report was made elsewhere
+    (--merge here, from a GPU machine's reports)."""
+    (report_dir / f"gpu_check_{slug}.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = markdown(report)
+    (report_dir / f"gpu_check_{slug}.md").write_text(md)
+    print(md)
+    if report_dir.resolve() == (ROOT / "figs").resolve():  # which machine made them, and the README's copies
+        from tools import figures
+        written = [p for p in report_dir.iterdir() if p.name.startswith(f"gpu_check_{slug}.") or f"_cuda_{slug}." in p.name]
+        made = figures.record_provenance([p for p in written if p.stat().st_mtime >= started_at], device, argv,
+                                         tool="python -m tools.gpu_check", entry=made_on)
+        figures.update_readme({"figs-made-on": figures.provenance_table(made), **figures.gpu_check_report()})
+
+
+def merge(paths: list[str], report_dir: Path = ROOT / "figs", note: str = "") -> Path:
+    """Join gpu_check reports of one GPU made in parts (``--only``, on one machine or several
+    copies of the tree) into ``report_dir``/gpu_check_<gpu>.json and .md: every row of every
+    report, the failed ones with their errors, in CHECKS order (a later report's row replaces an
+    earlier one of the same name), and the CUDA figures found beside each report (in its folder
+    or a figs/ folder there) copied in. Refuses reports of different GPUs or torch versions."""
+    started_at = time.time()
+    reports = [(Path(p), json.loads(Path(p).read_text())) for p in paths]
+    first = reports[0][1]
+    for path, r in reports:
+        for key in ("device", "torch"):
+            if r.get(key) != first.get(key):
+                raise ValueError(f"{path.name} was made with {key} {r.get(key)!r}, {reports[0][0].name} with "
+                                 f"{first.get(key)!r}: merge one GPU's reports from one torch")
+        if r["device"] == "CPU":
+            raise ValueError(f"{path.name} is a --cpu report (toy scale): only GPU reports are merged")
+    rows = {}
+    for _, r in reports:
+        rows.update({row["name"]: row for row in r["runs"]})
+    order = [c.name for c in CHECKS]
+    slug = gpu_slug(first["device"])
+    report = {"device": first["device"], "gpus": first["gpus"], "torch": first["torch"],
+              "date": max(r["date"] for _, r in reports),
+              "runs": sorted(rows.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order)),
+              "tests": next((r["tests"] for _, r in reversed(reports) if r.get("tests")), None),
+              "wall_s": sum(r.get("wall_s") or 0 for _, r in reports),
+              # what each part ran (its runs' name prefixes, as --only takes them), not the files: they
+              # stay on the machine that made them, and the report holds all they said
+              "merged": [{"prefixes": sorted({row["name"].split("_")[0] for row in r["runs"]}), "runs": len(r["runs"]),
+                          "wall_s": r.get("wall_s") or 0, "date": r["date"]} for _, r in reports],
+              "merge_argv": ["--merge", *["REPORT.json"] * len(reports), *(["--note", "NOTE"] if note else [])]}
+    if note:
+        report["note"] = note
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    for path, _ in reports:
+        for folder in (path.parent, path.parent / "figs"):
+            for png in sorted(folder.glob(f"*_cuda_{slug}.png")):
+                if png.parent.resolve() != report_dir.resolve():
+                    shutil.copyfile(png, report_dir / png.name)
+    made_on = {"device": first["device"], "torch": first["torch"].split("+")[0], "date": report["date"],
+               "command": "python -m tools.gpu_check " + " ".join(report["merge_argv"])}
+    write_report(report, report_dir, slug, started_at, report["merge_argv"], "cuda", made_on)
+    return report_dir / f"gpu_check_{slug}.md"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -274,10 +353,26 @@ def main(argv=None) -> int:
     p.add_argument("--report-dir", default=None,
                    help="where the report and figures go (default: figs/, or runs/gpu_check_cpu with --cpu)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per launch before it is stopped (default 420)")
+    p.add_argument("--merge", nargs="+", metavar="REPORT",
+                   help="join gpu_check_<gpu>.json reports made in parts (--only) into figs/ (no GPU needed): "
+                        "every row, failures with their errors, and the CUDA figures found beside them")
+    p.add_argument("--note", default="", help="with --merge: a sentence the report carries (how it was measured)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args.worker)
+        return 0
+    if args.merge:
+        missing = [m for m in args.merge if not Path(m).is_file()]
+        if missing:
+            print(f"error: --merge: no report at {missing[0]} (give gpu_check_<gpu>.json files)", file=sys.stderr)
+            return 2
+        try:
+            path = merge(args.merge, Path(args.report_dir) if args.report_dir else ROOT / "figs", args.note)
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            print(f"error: --merge: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
         return 0
     if not 1 <= args.timeout <= 86400:  # (nan fails this too) a launch stopped at once, or never
         print(f"error: --timeout must be between 1 and 86400 seconds (got {args.timeout}).", file=sys.stderr)
@@ -334,16 +429,7 @@ def main(argv=None) -> int:
         png = runs_dir / c.name / "memory_trace.png"
         if c.figure and png.exists():
             shutil.copyfile(png, report_dir / f"{c.figure}_{'cpu_toy' if args.cpu else 'cuda_' + slug}.png")
-    (report_dir / f"gpu_check_{slug}.json").write_text(json.dumps(report, indent=1) + "\n")
-    md = markdown(report)
-    (report_dir / f"gpu_check_{slug}.md").write_text(md)
-    print(md)
-    if report_dir.resolve() == (ROOT / "figs").resolve():  # which machine made them, and the README's copies
-        from tools import figures
-        written = [p for p in report_dir.iterdir() if p.name.startswith("gpu_check_") or f"_cuda_{slug}." in p.name]
-        made = figures.record_provenance([p for p in written if p.stat().st_mtime >= started_at], device,
-                                         sys.argv[1:] if argv is None else argv, tool="python -m tools.gpu_check")
-        figures.update_readme({"figs-made-on": figures.provenance_table(made), **figures.gpu_check_report()})
+    write_report(report, report_dir, slug, started_at, sys.argv[1:] if argv is None else argv, device)
     failed = [r["name"] for r in rows if not r["ok"]]
     tests_failed = report["tests"] is not None and not report["tests"]["ok"]
     print(f"{len(rows) - len(failed)} of {len(rows)} runs ran"

@@ -55,6 +55,7 @@ class Part:
 def parts(big_memory: bool = False) -> list[Part]:
     """The GPU pass, in the order it should run. ``big_memory``: a GPU with over 100 GiB (the 8b
     dry run then takes torchtitan's local batch 2)."""
+    from tools.gpu_check import suite_command
     local = 2 if big_memory else 1
     return [
         Part("check_one", 6, [[*PY, "-m", "tools.gpu_check", "--no-tests", "--only", "01,02,1b"]],
@@ -103,8 +104,8 @@ def parts(big_memory: bool = False) -> list[Part]:
             [*PY, "-m", "tools.bench_ckpt", "--device", "cuda", "--model", "1b", "--out",
              "runs/gpu_pass/bench_ckpt_1b"]],
              "a checkpoint step's stall, synchronous vs --ckpt-async, against a step without one"),
-        Part("tests", 8, [[*PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]],
-             "the suite passes with the GPU visible"),
+        Part("tests", 8, [suite_command()],
+             "the suite passes with the GPU visible (every test names its device: --device auto is an error under it)"),
     ]
 
 

@@ -577,7 +577,7 @@ def torchtitan_text(rows: list[dict] | None = None) -> str:
     lines = [f"torchtitan's Llama 3.1 8B runs (in the torchtitan repository: docs/performance.md's tables, and "
              f"benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md for FSDP 8 x TP 8) on {m.name}: matmuls at "
              f"{m.matmul_rate('bf16') / 1e12:.0f} TFLOP/s eager, {m.matmul_rate('bf16', True) / 1e12:.0f} compiled "
-             f"(our 1b's measured fractions of 989), HBM {m.hbm / 1e12:.1f} TB/s, NVLink {m.intra.bandwidth / 1e9:.0f} "
+             f"(the fractions of 989 our 1b model reached on an H200: figs/gpu_check_h200.md), HBM {m.hbm / 1e12:.1f} TB/s, NVLink {m.intra.bandwidth / 1e9:.0f} "
              f"GB/s and {m.inter.bandwidth / 1e9:.0f} GB/s a GPU across hosts (busbw); AC selective is torchtitan's "
              f"per-op policy, its recompute charged as it runs (every second matmul again)", "",
              "| run | GPUs | seq | AC | tokens/s/GPU theirs | ours | ours/theirs | GiB theirs (reserved) | ours (peak) "

@@ -191,14 +191,23 @@ class Machine:
         return Link(bw, self.inter.latency, self.inter.source), f"across nodes ({per_node} a node)"
 
 
-# Achieved fractions, measured on one H100 with this repository's own scripts (DESIGN.md):
-# the 1b model, bf16 autocast, batch 4 x 2048, eager: 176 ms a step = 31.3% of 989 TFLOP/s
-# (flops_per_token); with --compile: 49.6%. In fp32 (no TF32: PyTorch's default "highest"
-# precision, which our scripts keep) the same 1b step took 1,154 ms: 66.7% of the 67 TFLOP/s
-# fp32 rate, matmuls on the CUDA cores run nearer their peak than bf16's tensor cores do; no
-# compiled fp32 step was measured, so compiled fp32 assumes the eager fraction. Links: nccl-tests' busbw tops out near 80% of
+# Achieved fractions: the share of the spec sheet's rate that makes this model's step equal a
+# measured one (fraction_from_step: the FLOPs step_time counts, causal attention halved, over the
+# time the step leaves after the model's other terms). Measured by tools/gpu_check.py on one H200
+# (torch 2.11), figs/gpu_check_h200.md: the 1b model, batch 4 x 2048, eager bf16 autocast
+# 154.7 ms a step (38.25% once the optimizer's 24 ms of HBM traffic, clipping and foreach AdamW
+# at 96 bytes a parameter, is taken out; the report's MFU column, 6N + 12LdT a token over the
+# whole step, says 35.6%), with --compile 116.2 ms (53.48%; 47.4%), and in fp32 (no TF32:
+# PyTorch's default "highest" precision, which our scripts keep) 1,181.1 ms (65.72% of the 67
+# TFLOP/s fp32 rate; 68.8%): matmuls on the CUDA cores run nearer their peak than bf16's on the
+# tensor cores. No compiled fp32 step was
+# measured, so compiled fp32 assumes the eager fraction. Those runs shared the GPU with the
+# report's other parts (its note): their steps are upper bounds, these fractions lower ones.
+# tests/test_plan.py recomputes them from the report. The H100 has the H200's compute (the same
+# sheet, 989 and 67 TFLOP/s) and slower memory; it and the other GPU descriptions take these
+# fractions unmeasured. Links: nccl-tests' busbw tops out near 80% of
 # NVLink's rated speed and about 90% of InfiniBand's (assumed here; --calibrate measures yours).
-H100_ACHIEVED = {"eager": 0.313, "compiled": 0.496, "fp32 eager": 0.667, "fp32 compiled": 0.667}
+ACHIEVED = {"eager": 0.3825, "compiled": 0.5348, "fp32 eager": 0.6572, "fp32 compiled": 0.6572}
 NVLINK_FRACTION, IB_FRACTION = 0.80, 0.90
 NVLINK_LATENCY, IB_LATENCY = 15e-6, 30e-6  # a small NCCL all-reduce's time in a node / across nodes (typical)
 # InfiniBand NDR: 400 Gb/s = 50 GB/s each way per NIC, one NIC per GPU (NVIDIA ConnectX-7 / DGX H100 datasheet)
@@ -207,23 +216,23 @@ IB_NDR = Link(50e9 * IB_FRACTION, IB_LATENCY, "InfiniBand NDR 400 Gb/s = 50 GB/s
 GPUS: dict[str, Machine] = {
     # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32; HBM3 3.35 TB/s; NVLink 4 900 GB/s
     # both directions together (450 each way); an "80 GB" card reports 79.65 GiB (nvidia-smi 81559 MiB)
-    "h100": Machine("H100 SXM 80GB", {"bf16": 989e12, "fp32": 67e12}, H100_ACHIEVED, 3.35e12, 79.65,
+    "h100": Machine("H100 SXM 80GB", {"bf16": 989e12, "fp32": 67e12}, ACHIEVED, 3.35e12, 79.65,
                     Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"), IB_NDR,
                     source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
     # NVIDIA H200 datasheet: the H100's compute, HBM3e 4.8 TB/s, 141 GB (reports about 140 GiB)
-    "h200": Machine("H200 SXM 141GB", {"bf16": 989e12, "fp32": 67e12}, H100_ACHIEVED, 4.8e12, 140.0,
+    "h200": Machine("H200 SXM 141GB", {"bf16": 989e12, "fp32": 67e12}, ACHIEVED, 4.8e12, 140.0,
                     Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"), IB_NDR,
                     source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
     # NVIDIA A100 SXM datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; HBM2e 2.0 TB/s (80 GB); NVLink 3
-    # 600 GB/s both ways (300 each way). Achieved fractions: the H100's, not measured on an A100.
-    "a100": Machine("A100 SXM 80GB", {"bf16": 312e12, "fp32": 19.5e12}, H100_ACHIEVED, 2.0e12, 80.0,
+    # 600 GB/s both ways (300 each way). Achieved fractions: the H200's, not measured on an A100.
+    "a100": Machine("A100 SXM 80GB", {"bf16": 312e12, "fp32": 19.5e12}, ACHIEVED, 2.0e12, 80.0,
                     Link(300e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 3: 300 GB/s each way, x0.8"), IB_NDR,
                     source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
     # torchtitan's benchmark machine (docs/performance.md, Grand Teton): H100s with 96 GB HBM2e at
     # 2.4 TB/s, a 500 W power limit, NVLink inside a host of 8, 400 Gb/s RDMA per GPU across hosts.
     # Its memory is counted like the 80 GB card's (96 x 79.65 / 80 = 95.6 GiB).
     "torchtitan": Machine("H100 96GB HBM2e, 500 W (torchtitan's)", {"bf16": 989e12, "fp32": 67e12},
-                          H100_ACHIEVED, 2.4e12, 95.6,
+                          ACHIEVED, 2.4e12, 95.6,
                           Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"),
                           IB_NDR, source="torchtitan docs/performance.md"),
 }
@@ -323,6 +332,17 @@ def rank_shape(plan: Plan) -> tuple[int, int]:
     cp = plan.cp or plan.world if plan.strategy in ("cp", "cp_fsdp") else 1
     dp = plan.world // cp if cp > 1 else plan.dp
     return plan.tp, max(1, plan.batch // dp // ((plan.microbatches or plan.pp) if plan.pp > 1 else plan.accum))
+
+
+def fraction_from_step(plan: Plan, step_s: float, machine: Machine, compiled: bool = False) -> float:
+    """The achieved fraction of ``machine``'s sheet that makes step_time(``plan``) equal a
+    measured step of ``step_s`` seconds: the time the FLOP-bound terms take at the sheet's
+    full rate over what the measured step leaves them after the other terms (one rank: the
+    optimizer's HBM time, selective AC's memory-bound recompute)."""
+    full = step_time(plan, replace(machine, achieved={"eager": 1.0, "compiled": 1.0}, calibrated_rate={},
+                                   shape_rates={}), compiled)
+    flop_bound = full["compute"] + (full["recompute"] if plan.ac == "full" else 0.0)
+    return flop_bound / (step_s - (full["step"] - flop_bound))
 
 
 def step_time(plan: Plan, machine: Machine, compiled: bool = False, per_op_sac: bool = False) -> dict:
