@@ -373,8 +373,8 @@ def test_the_achieved_fractions_are_the_h200_reports_and_give_its_steps_back():
     """steptime.ACHIEVED is what figs/gpu_check_h200.json measured: for each of its 1b runs (eager
     bf16, compiled bf16, fp32), the fraction of the sheet that makes the model's step the measured
     one, counted with the FLOPs the model counts (causal attention halved), one count for every
-    dtype; with them the model gives those steps back. fp32 reaches its own sheet at about twice
-    bf16's share: one fraction for both put fp32 at twice its time."""
+    dtype; with them the model gives those steps back. fp32 reaches its own sheet at 1.7 times
+    bf16's share: one fraction for both put fp32 at 1.7 times its time."""
     import json
 
     from common.measure.steptime import ACHIEVED, GPUS, fraction_from_step
@@ -393,6 +393,6 @@ def test_the_achieved_fractions_are_the_h200_reports_and_give_its_steps_back():
         mfu = flops_per_token(get_config("1b"), 2048) * 4 * 2048 / measured / h200.peak_flops[dtype]
         assert mfu == pytest.approx(runs[name]["mfu"], rel=1e-3)
     assert ACHIEVED["fp32 compiled"] == ACHIEVED["fp32 eager"]  # no compiled fp32 step was measured
-    assert ACHIEVED["fp32 eager"] > 1.8 * ACHIEVED["eager"]
+    assert ACHIEVED["fp32 eager"] > 1.5 * ACHIEVED["eager"]
     for gpu in ("h100", "a100", "torchtitan"):  # the same fractions, unmeasured there
         assert GPUS[gpu].achieved is ACHIEVED
