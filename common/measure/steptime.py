@@ -236,7 +236,10 @@ def head_flops(cfg: ModelConfig) -> float:
 
 
 def recompute_flops(cfg: ModelConfig, seq_len: int, ac: str) -> float:
-    """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third)."""
+    """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third);
+    selective-op runs wk, wo and w3 again (2 FLOPs a weight a token)."""
+    if ac == "selective-op":
+        return 2.0 * cfg.dim * (cfg.n_kv_heads * cfg.head_dim + cfg.n_heads * cfg.head_dim + cfg.ffn_dim)
     return layer_flops(cfg, seq_len) / 3 if ac == "full" else 0.0
 
 
@@ -301,9 +304,9 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
         stages.append((seq_tokens * per_token / tp / rate,
                        seq_tokens * k * recompute_flops(cfg, plan.seq_len, plan.ac) / tp / rate, n_layers, k))
     compute, recompute, n_layers, k = max(stages, key=lambda x: x[0] + x[1])
-    if plan.ac == "selective" and k:  # memory-bound: the dropped tensors, written and read again
+    if plan.ac.startswith("selective") and k:  # memory-bound: the dropped tensors, written and read again
         dropped = layer_activation_bytes(cfg, seq_tokens, dtype, "none", tp, plan.sequence_parallel) - \
-            layer_activation_bytes(cfg, seq_tokens, dtype, "selective", tp, plan.sequence_parallel)
+            layer_activation_bytes(cfg, seq_tokens, dtype, plan.ac, tp, plan.sequence_parallel)
         recompute = k * 2 * dropped / machine.hbm
     forward, backward = compute / 3, 2 * compute / 3 + recompute
 
