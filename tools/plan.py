@@ -44,7 +44,7 @@ from tools.estimate import HEADROOM_GIB, check_layouts, label, model_config, wor
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = ROOT / "runs" / "calibration.json"
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "selective-op", "full")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: bf16 AMP)")
     p.add_argument("--ac", default="all", choices=("all", *AC_MODES),
                    help="activation checkpointing modes to consider (default: all three)")
+    p.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                   help="the loss in N chunks of tokens where the script offers it (train_ddp.py, train_fsdp.py; "
+                        "default: 1, the plain loss)")
+    p.add_argument("--split-root-unit", action="store_true",
+                   help="FSDP layouts with the embedding and the head in units of their own (train_fsdp.py)")
     p.add_argument("--compile", action="store_true",
                    help="predict with torch.compile's achieved matmul rate (the scripts' --compile)")
     p.add_argument("--headroom", type=float, default=HEADROOM_GIB,
@@ -122,8 +127,17 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: str, device: str,
-            acs=AC_MODES) -> list[Plan]:
-    """Every layout of the step-3 scripts on ``world`` ranks, under each AC mode in ``acs``."""
+            acs=AC_MODES, loss_chunks: int = 1, split_root: bool = False) -> list[Plan]:
+    """Every layout of the step-3 scripts on ``world`` ranks, under each AC mode in ``acs``;
+    ``loss_chunks`` and ``split_root`` where the layout's script takes them (--loss-chunks:
+    train_ddp.py and train_fsdp.py; --split-root-unit: train_fsdp.py)."""
+    return [replace(p, loss_chunks=loss_chunks if p.head_loss else 1,
+                    split_root=split_root and p.strategy.startswith(("fsdp", "hsdp")))
+            for p in _layouts(cfg, world, per_node, batch, seq_len, dtype, device, acs)]
+
+
+def _layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: str, device: str,
+             acs=AC_MODES) -> list[Plan]:
     from common.parallelize.pp import SCHEDULES
     out = []
     for ac in acs:
@@ -198,6 +212,8 @@ def command(p: Plan, args, per_node: int) -> str:
                                         p.schedule, "--microbatches", str(p.microbatches)]
     if p.sequence_parallel:
         extra.append("--sequence-parallel")
+    extra += ["--loss-chunks", str(p.loss_chunks)] if p.loss_chunks > 1 else []
+    extra += ["--split-root-unit"] if p.split_root else []
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
     model += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
     flags = [*model, *extra, "--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac]
@@ -263,7 +279,7 @@ def plan_text(args) -> str:
     batch = args.global_batch_size or args.gpus
     acs = AC_MODES if args.ac == "all" else (args.ac,)
     ps = layouts(cfg, args.gpus, per_node, batch, args.seq_len, args.dtype, "cuda" if not args.calibration else "cpu",
-                 acs)
+                 acs, args.loss_chunks, args.split_root_unit)
     fit, dropped = evaluate(ps, machine, args.compile, args.headroom)
     if not fit and not any("peak" in d for d in dropped):
         raise UserError(f"no step-3 script runs any layout of --gpus {args.gpus} with --global-batch-size {batch}; "
@@ -305,7 +321,8 @@ def layouts_figure(args, path: Path) -> None:
     machine = machine_of(args)
     batch = args.global_batch_size or args.gpus
     acs = AC_MODES if args.ac == "all" else (args.ac,)
-    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs),
+    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs,
+                              args.loss_chunks, args.split_root_unit),
                       machine, args.compile, args.headroom)
     colors = dict(zip(TERMS, ("#4C72B0", "#8172B3", "#C44E52", "#CCB974", "#55A868")))
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(fit) + 1.6))

@@ -301,13 +301,16 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
         last = shapes is None or "output.weight" in shapes
         per_token = n_layers * layer_flops(cfg, plan.seq_len) + (head_flops(cfg) if last else 0)
         k = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
+        # --loss-chunks: backward runs the output projection again (2 FLOPs a weight a token)
+        head_again = 2 * cfg.vocab_size * cfg.dim if last and plan.loss_chunks > 1 else 0
         stages.append((seq_tokens * per_token / tp / rate,
-                       seq_tokens * k * recompute_flops(cfg, plan.seq_len, plan.ac) / tp / rate, n_layers, k))
+                       seq_tokens * (k * recompute_flops(cfg, plan.seq_len, plan.ac) + head_again) / tp / rate,
+                       n_layers, k))
     compute, recompute, n_layers, k = max(stages, key=lambda x: x[0] + x[1])
     if plan.ac.startswith("selective") and k:  # memory-bound: the dropped tensors, written and read again
         dropped = layer_activation_bytes(cfg, seq_tokens, dtype, "none", tp, plan.sequence_parallel) - \
             layer_activation_bytes(cfg, seq_tokens, dtype, plan.ac, tp, plan.sequence_parallel)
-        recompute = k * 2 * dropped / machine.hbm
+        recompute += k * 2 * dropped / machine.hbm
     forward, backward = compute / 3, 2 * compute / 3 + recompute
 
     comms: list[Comm] = []

@@ -371,6 +371,7 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", a
         replicated, sharded = 20 * d + 8, 4 * d + 4 * kv + 4 * h + 8 * f
         if sequence_parallel:  # the norms' bf16 outputs gathered; the rest split along the sequence
             replicated, sharded = 4 * d, sharded + 16 * d + 8
+    # CUDA path: tests/test_estimate.py::test_cuda_kernels_keep_what_the_census_on_the_h200_listed
     if device == "cuda":  # the fused RMSNorm keeps no normalised x (fp32, both norms)
         if sequence_parallel:
             sharded -= 8 * d
