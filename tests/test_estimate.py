@@ -202,6 +202,10 @@ BAD = [
     (["--strategy", "all", "--world-size", "2", "--model", "debug", "--seq-len", "64", "--dry-run"],
      "--dry-run runs one layout"),
     (["--vocab-size", "1"], "--vocab-size must be between 2 and 2**31 - 1 (got 1)"),
+    (["--loss-chunks", "0"], "--loss-chunks must be positive (got 0); 1 is the plain loss."),
+    (["--strategy", "tp", "--world-size", "2", "--loss-chunks", "4"],
+     "--loss-chunks: the tp script computes its loss on logits it holds"),
+    (["--strategy", "ddp", "--world-size", "2", "--split-root-unit"], "--split-root-unit places FSDP's units"),
 ]
 
 

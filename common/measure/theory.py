@@ -37,13 +37,21 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
                 projections save (2 x 2d), q/out 2 x 2d, k/v 2 x 2kv, the MLP 4 x 2f, lse
                 4h, the norms' 1/rms 8; plus, per step, a bf16 copy of every weight
                 matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables,
-                cast to bf16 once per forward (4 x max_seq_len x head_dim). The same on
-                CUDA (flash takes grouped k/v as they are).
+                cast to bf16 once per forward (4 x max_seq_len x head_dim). CUDA takes
+                grouped k/v as they are too.
+  CUDA's kernels (``device="cuda"``) keep 8d bytes less without AC, both dtypes: the fused
+                RMSNorm keeps its input and 1/rms, not the normalised x the CPU's composite
+                norm keeps (fp32, 4d a norm). Exactly the lists tools.saved_census printed on
+                an H200 (1b: 100,488 bytes a token and layer in bf16, 196,744 in fp32).
   selective AC  4d + b(4d + 2kv + 2f) + 4h, b = 2 (bf16) or 4 (fp32): what
                 common/parallelize/ac.py's policy keeps, the block input (fp32) and the
                 outputs of the matmuls (wq, wk, wv, wo, w1, w3, w2) and of attention (its
                 output and log-sum-exp); norms, RoPE, SiLU, the product and the residual
                 adds are recomputed. Exact against the CPU tracer.
+  selective-op  4d + b(3d + kv + f) + 4h: torchtitan's per-op policy, every second matmul
+                recomputed too (wk, wo and w3 of the seven), the others' outputs kept.
+  Under FSDP's bf16 policy (no autocast) the residual stream is bf16: a checkpointed
+  block's input is 2d bytes, not 4d.
   full AC       the block input only: 4d (fp32 residual stream, also under autocast);
                 backward recomputes one block at a time (a transient, not an activation).
   With AC, autocast's weight copies of the checkpointed blocks are saved by nothing:
@@ -52,28 +60,23 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
 
 Outside the blocks: the input batch (x and y, int64: 16 bytes/token), the final norm
 (12d + 4 bytes in fp32), the logits and cross entropy's log-probabilities (4V + 4V; the
-training loop holds ``logits`` until backward). Tensor parallelism divides what is sharded
+training loop holds ``logits`` until backward), or where the script asks the model for the
+loss (DDP, ZeRO-1, FSDP, HSDP: ``Plan.head_loss``) the log-probabilities alone, and with
+``--loss-chunks`` nothing (common/loss.py). The loss's backward is a moment of its own: two
+fp32 (tokens, V) gradients at once, or one chunk's logits and softmax, the output layer's
+whole gradient and its input's. Tensor parallelism divides what is sharded
 (heads, MLP units, vocabulary with loss parallelism) by tp; sequence parallelism also
 divides the norms' share. Pipeline stages keep the activations of the micro-batches in
 flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
 
-The peak is the largest of four moments (``_peak``): the end of forward (no gradients yet
-when the last step freed them, autocast's cache still full), the start of backward (one
-block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
-default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). On
-one H100 (1b, 4 x 2048; tests/test_estimate.py holds the numbers) the formula is within
-1.3% of the allocator's peak for fp32 (end of forward), selective AC (end of forward) and
-full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 autocast
-without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
-identified (selective AC, which keeps no norm, RoPE or SwiGLU tensors, fits).
-A caveat on the fp32 row: it fits because the CUDA count keeps each norm's normalised x,
-as the CPU's composite RMSNorm does. PyTorch's source says CUDA runs ``_fused_rms_norm``
-when input and weight share a dtype (they do here), whose backward keeps x and 1/rms
-only; if so, about 2 GiB of the fp32 peak are something else of the same size that this
-count does not name, and bf16's gap is 4.6 GiB, not 2.6. Kept fp32 norm outputs, or
-grouped k/v expanded inside flash attention, are candidates of the right size.
-``python -m tools.saved_census --device cuda`` lists what one block keeps on a GPU, node
-by node (on CPU it equals this count to the byte): one run there settles both.
+The peak is the largest of five moments (``_peak``): the end of forward (no gradients yet
+when the last step freed them, autocast's cache still full), the loss's backward, the start
+of backward (one block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
+default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). At
+1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
+1.5% of the allocator's peak: fp32 and bf16 autocast on an H200, selective and full AC (the
+optimizer step, 20N exactly) on an H100. ``python -m tools.saved_census --device cuda`` lists
+what one block keeps on a GPU, node by node (on CPU it equals this count to the byte).
 
 The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
 tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
