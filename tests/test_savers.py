@@ -128,3 +128,23 @@ def test_the_8b_layout_under_the_trace_fits_and_is_the_formula():
     print(f"2 layers, plain loss: trace {t['peak'] / GiB:.2f} GiB, formula {f['peak'] / GiB:.2f} GiB at the "
           f"{f['peak_at']}")
     assert f["peak_at"] == "loss backward" and t["peak"] == pytest.approx(f["peak"], rel=0.01)
+
+
+def test_the_savers_reach_the_dry_run(capsys):
+    """The estimator's --dry-run passes the savers to train_fsdp.py (rank 0 of 4, one process):
+    its model state and activations are the formula's, and its collectives too, the embedding's
+    own unit gathered again for backward (--split-root-unit)."""
+    from tools.estimate import main as estimate_main
+    estimate_main(["--model", "debug", "--vocab-size", "512", "--world-size", "4", "--strategy", "fsdp", "--device",
+                   "cpu", "--batch", "4", "--seq-len", "64", "--loss-chunks", "4", "--split-root-unit", "--ac",
+                   "selective-op", "--dry-run"])
+    out = capsys.readouterr().out
+    print(out)
+    assert "--loss-chunks 4" in out and "--split-root-unit" in out  # the savers' share of the peak, named
+    for c in ("parameters", "gradients", "optimizer state", "activations"):
+        row = next(line for line in out.splitlines() if line.startswith(f"  {c} "))
+        assert row.split()[-1] == "1.000", row
+    sent = next(line for line in out.splitlines() if "sent per step per rank:" in line)
+    moved = next(line for line in out.splitlines() if "the dry run's collectives per step:" in line)
+    per_op = {kv.rsplit(" ", 2)[0]: kv.rsplit(" ", 2)[1:] for kv in sent.split(": ", 1)[1].split(" (total")[0].split(", ")}
+    assert per_op == {kv.rsplit(" ", 2)[0]: kv.rsplit(" ", 2)[1:] for kv in moved.split(": ", 1)[1].split(", ")}

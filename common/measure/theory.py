@@ -240,7 +240,8 @@ def unsharded_bytes(cfg: ModelConfig, world: int = 1, bytes_per_param: int = 4) 
 
 
 # ---- communication ---------------------------------------------------------------------------
-def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_bytes: int, accum: int):
+def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_bytes: int, accum: int,
+             split_root: bool = False):
     n = sum(math.prod(s) for s in shapes.values())
     if strategy in ("single",) or world == 1:
         return {}
@@ -254,6 +255,8 @@ def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_b
     gathered = {k: padded_shard_numel(sh, s) * s for k, sh in shapes.items()}  # padded full size
     full = sum(gathered.values())
     no_root = sum(v for k, v in gathered.items() if not is_root(k))
+    if split_root:  # --split-root-unit: the embedding's unit is gathered again for backward, as a block's is
+        no_root += sum(v for k, v in gathered.items() if k.startswith("tok_embeddings."))
     out = {"all_gather": accum * param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
            "reduce_scatter": 4 * full,
            # clipping: PyTorch reduces one fp32 norm per sharded tensor, in one all-reduce
@@ -721,7 +724,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.dp > 1:
         dp_strategy = {"single": "ddp", "hsdp": "hsdp_zero3"}.get(kind, kind)
         comm |= _dp_comm(dp_strategy, shapes, plan.dp, plan.shard if kind == "hsdp" else None,
-                         DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum)
+                         DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum, plan.split_root)
     if plan.tp > 1:
         stage_cfg = replace(cfg, n_layers=n_layers)
         for k, v in tp_bytes_per_step(stage_cfg, plan.batch // plan.dp, plan.seq_len, plan.sequence_parallel,
