@@ -353,7 +353,7 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     if p.ac != "none":
         from common.parallelize.ac import apply_ac
         apply_ac(model, p.ac)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = _adamw(p, model)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
     m = p.microbatches or p.pp
     first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
@@ -379,6 +379,18 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return dict(_traced(tracer), rank=rank)
+
+
+def _adamw(p: Plan, model):
+    """AdamW with the plan's kernels (``Plan.optimizer``: CUDA's foreach by default for --device cuda,
+    the CPU's one-tensor loop for cpu), whatever this process would pick: the foreach step's
+    temporaries are then traced where the formula counts them. One group per kind of parameter,
+    as the scripts' (common/training.py), so foreach never mixes DTensors and plain tensors."""
+    import torch
+
+    from common.training import param_groups_by_kind
+    return torch.optim.AdamW(param_groups_by_kind(model.parameters()), lr=1e-3, foreach=p.optimizer == "foreach",
+                             fused=True if p.optimizer == "fused" else None)
 
 
 def _mesh(p: Plan):
@@ -426,7 +438,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     # replica holds exactly what one device holds at batch / W (its gradients are views of
     # the buckets), so that is what is traced for it.
     module = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = _adamw(p, model)
     tracer = MemoryTracer(model, optimizer, device, start=1, steps=1)
     if fsdp:
         trace_fsdp_memory(tracer, model)
