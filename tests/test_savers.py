@@ -148,3 +148,12 @@ def test_the_savers_reach_the_dry_run(capsys):
     moved = next(line for line in out.splitlines() if "the dry run's collectives per step:" in line)
     per_op = {kv.rsplit(" ", 2)[0]: kv.rsplit(" ", 2)[1:] for kv in sent.split(": ", 1)[1].split(" (total")[0].split(", ")}
     assert per_op == {kv.rsplit(" ", 2)[0]: kv.rsplit(" ", 2)[1:] for kv in moved.split(": ", 1)[1].split(", ")}
+
+
+def test_a_loss_in_no_chunks_is_refused_in_one_sentence(capsys, tmp_path):
+    from step3_multi_gpu.train_fsdp import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "debug", "--device", "cpu", "--loss-chunks", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: --loss-chunks must be positive (got 0); 1 is the plain loss.", err
