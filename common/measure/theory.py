@@ -542,13 +542,16 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
 
 
 def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
-    """The step's peak: the largest of three moments.
+    """The step's peak: the largest of five moments.
 
     - end of forward: parameters, AdamW state, every activation and autocast's cache of
       bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
       are not there yet when the previous step freed them (``zero_grad(set_to_none=True)``
       with one micro-batch and no DDP); DDP keeps its gradient buckets, accumulation and
       pipelines keep the gradients of the earlier micro-batches.
+    - the loss's backward: the same less the cache, with FSDP's root (or head) unit and one
+      block gathered, plus the loss's gradients (``loss_backward_bytes``): the peak of a
+      large vocabulary's plain loss;
     - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
     - end of backward: every gradient, and the first block rebuilt (what matters under full
       AC, where the activations are small and the gradients are not);
