@@ -66,14 +66,30 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard", action="store_true",
                    help="also write the logged metrics as TensorBoard scalars into OUT/tensorboard/ (needs "
                         "pip install tensorboard)")
+    g.add_argument("--expandable-segments", action="store_true",
+                   help="CUDA's caching allocator grows its segments in place (PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True) instead of caching blocks of fixed sizes: reserved memory stays "
+                        "near allocated when the sizes of a step's tensors vary (a no-op on CPU)")
     checkpoint.add_flags(p)
     return p
+
+
+def use_expandable_segments(on: bool) -> None:
+    """--expandable-segments, before CUDA's allocator starts (it reads the setting once);
+    any other PYTORCH_CUDA_ALLOC_CONF options are kept."""
+    import os
+    if not on:
+        return
+    conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c and
+            not c.startswith("expandable_segments")]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + ["expandable_segments:True"])
 
 
 def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse and check the shared flags; adds ``args.model_config`` and ``args.script``."""
     args = p.parse_args(argv)
     args.script = Path(sys.argv[0]).stem
+    use_expandable_segments(args.expandable_segments)
     if args.model not in PRESETS:
         raise UserError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}.")
     for flag in ("steps", "global_batch_size", "seq_len", "trace_steps"):
@@ -203,9 +219,19 @@ def add_ac_flags(p: argparse.ArgumentParser, default: str = "full") -> None:
     g = p.add_argument_group("activation checkpointing")
     g.add_argument("--ac", default=default,
                    help=f"none; full: recompute each block in backward; selective: keep matmul and attention "
-                        f"outputs, recompute the rest (default: {default})")
+                        f"outputs, recompute the rest; selective-op: the same but recompute every second matmul "
+                        f"too (torchtitan's per-op policy) (default: {default})")
     g.add_argument("--ac-every", type=int, default=1,
                    help="checkpoint only every k-th transformer block (default: 1, all of them)")
+
+
+def add_loss_flags(p: argparse.ArgumentParser) -> None:
+    """For a script whose model computes its own loss (``model(x, targets=y)``)."""
+    g = p.add_argument_group("the loss")
+    g.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                   help="compute the output layer and the loss N chunks of tokens at a time, never holding all the "
+                        "logits (the same loss and gradients; the output matmul runs again in backward). Worth it "
+                        "with a large vocabulary (default: 1, the plain loss)")
 
 
 def add_accum_flags(p: argparse.ArgumentParser, default: int = 4, what: str = "") -> None:
@@ -273,6 +299,8 @@ def saver_label(args: argparse.Namespace) -> str:
         parts.append("compiled")
     if getattr(args, "grad_accum", 1) > 1:
         parts.append(f"{args.grad_accum} micro-batches")
+    if getattr(args, "loss_chunks", 1) > 1:
+        parts.append(f"loss in {args.loss_chunks} chunks")
     return " + ".join(parts)
 
 
@@ -310,6 +338,8 @@ def check_memory_savers(args: argparse.Namespace, device, dp_size: int | None = 
             raise UserError(f"unknown --ac mode {args.ac!r}; choose one of {', '.join(AC_MODES)}.")
         if args.ac_every <= 0:
             raise UserError(f"--ac-every must be positive (got {args.ac_every}).")
+    if getattr(args, "loss_chunks", 1) < 1:
+        raise UserError(f"--loss-chunks must be positive (got {args.loss_chunks}); 1 is the plain loss.")
     if hasattr(args, "grad_accum") and dp_size is not None:
         if args.grad_accum <= 0:
             raise UserError(f"--grad-accum must be positive (got {args.grad_accum}).")

@@ -325,6 +325,24 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Output(nn.Linear):
+    """The output layer; given the targets too, it returns the loss instead of the logits.
+
+    ``loss_chunks`` > 1 (``--loss-chunks``, set from outside) computes that loss a chunk of
+    tokens at a time and never holds all the logits (common/loss.py). Both happen inside
+    this module's forward, so an FSDP unit around it has its weight gathered for it."""
+
+    loss_chunks = 1
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from common.loss import chunked_cross_entropy, plain_cross_entropy
+        if targets is None:
+            return super().forward(h)
+        if self.loss_chunks > 1:
+            return chunked_cross_entropy(h, self.weight, targets, self.loss_chunks)
+        return plain_cross_entropy(super().forward(h), targets)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -332,20 +350,23 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = Output(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: they are a function of the config, never trained or saved.
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, or given ``targets`` the mean cross entropy (fp32; ``Output``)."""
         # A pipeline stage without the embedding receives hidden states instead of tokens.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_for(h)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.output(h, targets)
 
     def moe_aux_loss(self) -> torch.Tensor | float:
         """The load-balancing loss of the last forward, weighted, summed over the MoE layers
@@ -384,6 +405,14 @@ class Transformer(nn.Module):
             if isinstance(p, DTensor):  # sharded (FSDP/TP): keep only this rank's piece
                 full = distribute_tensor(full, p.device_mesh, p.placements)
             p.copy_(full)
+
+
+def set_loss_chunks(model: nn.Module, chunks: int) -> None:
+    """``--loss-chunks``: the model's loss (``model(x, targets=y)``) in that many chunks of tokens."""
+    if chunks < 1:
+        raise ValueError(f"loss chunks must be at least 1 (got {chunks})")
+    if getattr(model, "output", None) is not None:
+        model.output.loss_chunks = chunks
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, seed: int = 0) -> Transformer:

@@ -63,7 +63,9 @@ class Run:
         # which AdamW kernels a step runs (foreach holds temporaries: the formula counts them)
         self.optimizer_kernels = optimizer_kernels(optimizer)
         self.predict = {"dtype": dtype, "ac": getattr(args, "ac", "none"), "ac_every": getattr(args, "ac_every", 1),
-                        "accum": getattr(args, "grad_accum", 1), "optimizer": self.optimizer_kernels, **(predict or {})}
+                        "accum": getattr(args, "grad_accum", 1), "optimizer": self.optimizer_kernels,
+                        "loss_chunks": getattr(args, "loss_chunks", 1),
+                        "split_root": getattr(args, "split_root_unit", False), **(predict or {})}
         self.parallel = parallel or {"dp": ctx.world_size}
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         script = Path(sys.argv[0])

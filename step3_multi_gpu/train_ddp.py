@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,7 +25,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import main_guard
-from common.model import build_model
+from common.model import build_model, set_loss_chunks
 from common.parallelize import comm_hooks
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
@@ -40,6 +39,7 @@ def main(argv=None):
     p = cli.parser(__doc__)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are all-reduced after the last only")
+    cli.add_loss_flags(p)
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)
     args = cli.parse(p, argv)
@@ -58,6 +58,7 @@ def main(argv=None):
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
         apply_ac(model, args.ac, every=args.ac_every)  # per block, before compiling it
+        set_loss_chunks(model, args.loss_chunks)
         apply_compile(model, args.compile)  # per block: DDP's all-reduces stay outside the graphs
         # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a
         # second copy of 4 bytes per parameter. The buffers (RoPE tables) are constants: no
@@ -96,8 +97,7 @@ def main(argv=None):
                         # Every rank holds whole fp32 weights: autocast casts bf16 copies for the
                         # matmuls, as on one device; the gradients (and DDP's all-reduce) stay fp32.
                         with torch.autocast(ctx.device.type, dtype=args.amp_dtype, enabled=args.amp != "off"):
-                            logits = model(x)  # (micro-batch, seq, vocab)
-                            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
+                            loss = model(x, targets=y) / args.grad_accum  # the mean cross entropy, fp32
                         loss.backward()  # on the last micro-batch: all-reduce, bucket by bucket
                     step_loss += loss.detach()
                 # The global norm (the all-reduced gradients are the same on every rank).

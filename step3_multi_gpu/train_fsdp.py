@@ -20,13 +20,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
 import torch
-import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import UserError, main_guard
-from common.model import Transformer
+from common.model import Transformer, set_loss_chunks
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.float8 import convert_float8, float8_unsupported, precompute_fsdp_scales
@@ -40,6 +39,7 @@ def main(argv=None):
     p = cli.parser(__doc__)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
+    cli.add_loss_flags(p)
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered parameters after its forward and gather them again in "
                         "backward (ZeRO-3, the default); --no-reshard-after-forward keeps them (ZeRO-2)")
@@ -48,6 +48,10 @@ def main(argv=None):
                         "REPLICAS groups (REPLICAS x SHARDS = the number of ranks)")
     p.add_argument("--cpu-offload", action="store_true",
                    help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
+    p.add_argument("--split-root-unit", action="store_true",
+                   help="the embedding, and the final norm with the output layer, in FSDP units of their own, "
+                        "gathered only around their own forward and backward (default: both in the root unit, "
+                        "gathered all step)")
     p.add_argument("--float8", action="store_true",
                    help="float8 matmuls (torchao, step 2d) and float8 all-gather of the weights: NCCL on "
                         "H100-class GPUs only")
@@ -80,11 +84,12 @@ def main(argv=None):
         # --float8: before fully_shard, so each shard is gathered already cast (half of bf16's bytes)
         float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)
         apply_ac(model, args.ac, every=args.ac_every)  # before FSDP: the checkpoint sits inside each unit
+        set_loss_chunks(model, args.loss_chunks)
         # --amp bf16 is FSDP's mixed-precision policy, not autocast: it gathers the parameters
         # in bf16 (half the all-gather bytes; autocast would gather fp32 and then cast),
         # keeps the shards and AdamW in fp32, and reduce-scatters the gradients in fp32.
         apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
-                   param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload)
+                   param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload, split_root=args.split_root_unit)
         apply_compile(model, args.compile)  # per block, after fully_shard: its hooks stay outside the graphs
         # (--cpu-offload: the shards on the host, where FSDP keeps them; the RoPE tables on the device)
         materialize(model, ctx.device, cpu_offload=args.cpu_offload)
@@ -109,8 +114,9 @@ def main(argv=None):
                     # Reduce-scatter once per optimizer step. The price: until then every
                     # block keeps its full-size gradient, the 4N bytes sharding saved.
                     model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-                    logits = model(x)  # (micro-batch, seq, vocab); fp32 even under bf16 compute
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum
+                    # the mean cross entropy (fp32 even under bf16 compute), from the model's own head:
+                    # an FSDP unit, so the output layer is gathered for the loss (--loss-chunks)
+                    loss = model(x, targets=y) / args.grad_accum
                     loss.backward()  # per block: gather its parameters (ZeRO-3), reduce-scatter its gradients
                     step_loss += loss.detach()
                 # The global norm (each rank holds shards: the norm's squares are summed over the ranks).

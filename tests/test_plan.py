@@ -320,22 +320,29 @@ def test_one_flop_count_mfu_and_the_share_of_the_rate():
 
 
 def test_per_op_sac_recomputes_every_second_matmul():
-    """torchtitan's per-op selective AC saves the 1st, 3rd, 5th and 7th matmul of a block (wq, wv,
-    w1, w2) and recomputes wk, wo and w3: 2 (d kv + d^2 + d f) FLOPs a token and block, charged
-    at the matmul rate on top of the memory-bound passes our own selective AC costs."""
-    from common.measure.steptime import per_op_sac_flops
+    """torchtitan's per-op selective AC (--ac selective-op) saves the 1st, 3rd, 5th and 7th matmul
+    of a block (wq, wv, w1, w2) and recomputes wk, wo and w3: 2 (d kv + d^2 + d f) FLOPs a token
+    and block, charged at the matmul rate, on top of memory-bound passes over what it drops."""
+    from common.measure.steptime import per_op_sac_flops, recompute_flops
+    from common.measure.theory import layer_activation_bytes
     cfg = get_config("8b")
     d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
-    assert per_op_sac_flops(cfg) == 2 * (d * kv + d * d + d * f)
+    assert per_op_sac_flops(cfg) == recompute_flops(cfg, 8192, "selective-op") == 2 * (d * kv + d * d + d * f)
     m = toy_machine()
     p = Plan(cfg, "fsdp", world=8, batch=16, seq_len=8192, device="cuda", ac="selective")
-    ours, theirs = step_time(p, m), step_time(p, m, per_op_sac=True)
-    assert theirs["recompute"] - ours["recompute"] == pytest.approx(16 // 8 * 8192 * cfg.n_layers
-                                                                    * per_op_sac_flops(cfg) / 1e12)
-    assert theirs["compute"] == ours["compute"]
+    theirs = step_time(replace_ac(p, "selective-op"), m)
+    tokens = 16 // 8 * 8192
+    flops = tokens * cfg.n_layers * per_op_sac_flops(cfg) / 1e12  # the toy machine's rate
+
+    def passes(ac):  # each dropped tensor written and read again, over the toy HBM
+        dropped = layer_activation_bytes(cfg, tokens, "fp32", "none") - layer_activation_bytes(cfg, tokens, "fp32", ac)
+        return cfg.n_layers * 2 * dropped / m.hbm
+
+    assert step_time(p, m)["recompute"] == pytest.approx(passes("selective"))
+    assert theirs["recompute"] == pytest.approx(flops + passes("selective-op"))
+    assert theirs["compute"] == step_time(p, m)["compute"]
     # no recompute where nothing is checkpointed
-    none = replace_ac(p, "none")
-    assert step_time(none, m, per_op_sac=True)["recompute"] == 0
+    assert step_time(replace_ac(p, "none"), m)["recompute"] == 0
 
 
 def replace_ac(p: Plan, ac: str) -> Plan:

@@ -358,7 +358,7 @@ MISUSE = [
     ("train_amp", ["--amp", "fp16"],
      "error: --amp fp16 needs a CUDA GPU (a CPU emulates fp16 arithmetic, slower than fp32); "
      "use --amp bf16, which needs no loss scaling, or --amp off."),
-    ("train_amp_ac", ["--ac", "sometimes"], "error: unknown --ac mode 'sometimes'; choose one of none, full, selective."),
+    ("train_amp_ac", ["--ac", "sometimes"], "error: unknown --ac mode 'sometimes'; choose one of none, full, selective, selective-op."),
     ("train_amp_ac", ["--ac", "full", "--ac-every", "0"], "error: --ac-every must be positive (got 0)."),
     ("train_amp", ["--amp", "fp8"], "error: unknown --amp 'fp8'; choose one of off, bf16, fp16."),
     ("train_accum", ["--grad-accum", "0"], "error: --grad-accum must be positive (got 0)."),

@@ -22,7 +22,7 @@ CFG = get_config("debug")
 N = count_params(CFG)
 T = len(param_shapes(CFG))
 FP32_RUNS = ("ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp", "hsdp_2x1", "ddp_ac",
-             "fsdp_ac", "ddp_compile", "fsdp_compile")
+             "fsdp_ac", "ddp_compile", "fsdp_compile", "fsdp_savers", "ddp_savers")
 BYTE_RUNS = FP32_RUNS[:8]  # the runs whose bytes the formulas are held to
 
 
@@ -44,6 +44,10 @@ def _plan(batch: int, *runs: str) -> dict:
         # activation checkpointing recomputes the same fp32 ops: the losses of AC off
         "ddp_ac": ["ddp", fp32 + ["--ac", "full", "--no-trace-memory"]],
         "fsdp_ac": ["fsdp", fp32 + ["--ac", "selective", "--no-trace-memory"]],
+        # the savers of a 128K vocabulary: the same losses, gradient norms and weights
+        "fsdp_savers": ["fsdp", fp32 + ["--loss-chunks", "3", "--split-root-unit", "--ac", "selective-op",
+                                        "--no-trace-memory"]],
+        "ddp_savers": ["ddp", fp32 + ["--loss-chunks", "5", "--ac", "selective-op", "--no-trace-memory"]],
         # torch.compile (inductor's C++ on CPU) against eager; fused AdamW along
         "ddp_compile": ["ddp", fp32 + ["--compile", "--fused-adamw", "--no-trace-memory"]],
         "fsdp_compile": ["fsdp", fp32 + ["--compile", "--no-trace-memory"]],
@@ -68,7 +72,7 @@ def _plan(batch: int, *runs: str) -> dict:
 PLANS = {
     2: _plan(4, "ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp_2x1", "ddp_ac", "fsdp_ac",
              "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16", "ddp_profile", "fsdp_profile",
-             "ddp_syncs"),
+             "ddp_syncs", "fsdp_savers", "ddp_savers"),
     3: _plan(6, "ddp", "fsdp_zero3"),
     4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "reference_bf16", "ddp_bf16",
              "zero1_bf16", "fsdp_bf16", "bad_batch", "bad_accum", "bad_hsdp"),

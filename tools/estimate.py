@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.errors import UserError, main_guard
 from common.measure.memory import fmt_bytes
 from common.model import PRESETS, get_config
-from common.measure.theory import ALIASES, CATEGORIES, ROOT_REDUCE, STRATEGIES, Plan, predict
+from common.measure.theory import ALIASES, CATEGORIES, HEAD_LOSS_STRATEGIES, ROOT_REDUCE, STRATEGIES, Plan, predict
+from common.parallelize.ac import AC_MODES
 
 GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
@@ -57,12 +58,15 @@ TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "p
 DRY_TRACED = {"ep": "a mixture of experts cannot be traced under fake tensors (the router's token counts decide "
                     "the shapes, and a fake tensor has no values)"}
 # The allocator's peak (torch.cuda.max_memory_allocated, GiB) of the 1b model at batch 4 x 2048 on
-# one NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13, eager), from tools/gpu_check.py's runs 1b_fp32
+# one GPU (torch 2.11, CUDA 13, eager), from tools/gpu_check.py's runs 1b_fp32
 # (step1_single_gpu/train.py), 1b_amp (step2_memory/train_amp.py --amp bf16), 1b_amp_sac and
-# 1b_amp_ac (step2_memory/train_amp_ac.py --amp bf16 --ac selective / full). Keys: (dtype, ac).
-# tests/test_estimate.py holds the formulas to them.
-H100_1B_PEAKS = {("fp32", "none"): 37.60, ("bf16", "none"): 29.73, ("bf16", "selective"): 20.35,
-                 ("bf16", "full"): 18.21}
+# 1b_amp_ac (step2_memory/train_amp_ac.py --amp bf16 --ac selective / full). Keys: (dtype, ac);
+# values: (GiB, the GPU). fp32 and bf16 from the NVIDIA H200 (figs/gpu_check_h200.md), the AC rows
+# from the NVIDIA H100 80GB HBM3 (the H200's eager AC runs kept recomputed blocks across steps,
+# which the allocator's peak counts and no formula does). tests/test_estimate.py holds the formulas
+# to them.
+GPU_1B_PEAKS = {("fp32", "none"): (35.60, "H200"), ("bf16", "none"): (25.38, "H200"),
+                ("bf16", "selective"): (20.35, "H100"), ("bf16", "full"): (18.21, "H100")}
 
 
 def traceable(p: Plan) -> str | None:
@@ -97,8 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default: 2048, or the model's longest where that is shorter)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="compute dtype (default: bf16 AMP)")
-    p.add_argument("--ac", default="none", choices=("none", "full", "selective"),
-                   help="activation checkpointing (default: none)")
+    p.add_argument("--ac", default="none", choices=AC_MODES,
+                   help="activation checkpointing; selective-op also recomputes every second matmul (default: none)")
+    p.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                   help="the output layer and the loss in N chunks of tokens (train_ddp.py and train_fsdp.py "
+                        "--loss-chunks; default: 1, the plain loss)")
+    p.add_argument("--split-root-unit", action="store_true",
+                   help="FSDP: the embedding and the head in units of their own (train_fsdp.py --split-root-unit)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="--dry-run on CUDA: the allocator's expandable segments (the scripts' --expandable-segments); "
+                        "what is allocated is the same, what is reserved comes closer to it")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="whose kernels the formulas assume: attention's saved tensors and AdamW's "
                         "temporaries differ (default: cuda)")
@@ -146,6 +158,13 @@ def check(args) -> None:
     for flag in ("gpu_mem", "headroom"):
         if not math.isfinite(getattr(args, flag)):
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number of GiB (got {getattr(args, flag)}).")
+    if args.loss_chunks < 1:
+        raise UserError(f"--loss-chunks must be positive (got {args.loss_chunks}); 1 is the plain loss.")
+    if strategy != "all" and args.loss_chunks > 1 and strategy not in HEAD_LOSS_STRATEGIES:
+        raise UserError(f"--loss-chunks: the {strategy} script computes its loss on logits it holds; the chunked "
+                        f"loss is offered under {', '.join(HEAD_LOSS_STRATEGIES)} (train_ddp.py, train_fsdp.py).")
+    if strategy != "all" and args.split_root_unit and not strategy.startswith(("fsdp", "hsdp")):
+        raise UserError(f"--split-root-unit places FSDP's units (train_fsdp.py); {strategy} has none: drop it.")
     if args.vocab_size is not None and not 2 <= args.vocab_size <= 2**31 - 1:
         raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {args.vocab_size}).")
     model_config(args)
@@ -232,7 +251,21 @@ def plans(args) -> list[Plan]:
     if strategy != "all":
         shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
         return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, cp=args.cp, **common,
+                     loss_chunks=args.loss_chunks, split_root=args.split_root_unit,
                      **({"ep": args.ep} if strategy == "ep" else {}))]
+    return [with_savers(p, args) for p in all_plans(args, cfg, common)]
+
+
+def with_savers(p: Plan, args) -> Plan:
+    """--loss-chunks and --split-root-unit where the layout's script offers them (the table's rows)."""
+    from dataclasses import replace
+    return replace(p, loss_chunks=args.loss_chunks if p.head_loss else 1,
+                   split_root=args.split_root_unit and p.strategy.startswith(("fsdp", "hsdp")))
+
+
+def all_plans(args, cfg, common) -> list[Plan]:
+    """--strategy all: every layout the world size allows."""
+    w, batch = args.world_size, args.batch or args.world_size
     out = [Plan(cfg, "single", **(common | {"world": 1, "batch": max(1, batch // w)}))]
     if cfg.n_experts:  # a mixture of experts: one device, or the experts spread over the ranks
         out += [Plan(cfg, "ep", **common)] if w > 1 and cfg.n_experts % w == 0 else []
@@ -329,7 +362,7 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     if p.ac != "none":
         from common.parallelize.ac import apply_ac
         apply_ac(model, p.ac)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = _adamw(p, model)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
     m = p.microbatches or p.pp
     first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
@@ -357,6 +390,18 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
     return dict(_traced(tracer), rank=rank)
 
 
+def _adamw(p: Plan, model):
+    """AdamW with the plan's kernels (``Plan.optimizer``: CUDA's foreach by default for --device cuda,
+    the CPU's one-tensor loop for cpu), whatever this process would pick: the foreach step's
+    temporaries are then traced where the formula counts them. One group per kind of parameter,
+    as the scripts' (common/training.py), so foreach never mixes DTensors and plain tensors."""
+    import torch
+
+    from common.training import param_groups_by_kind
+    return torch.optim.AdamW(param_groups_by_kind(model.parameters()), lr=1e-3, foreach=p.optimizer == "foreach",
+                             fused=True if p.optimizer == "fused" else None)
+
+
 def _mesh(p: Plan):
     from torch.distributed.device_mesh import init_device_mesh
     if p.strategy in ("cp", "cp_fsdp"):  # train_cp.py's (dp, cp) mesh, and FSDP's over every rank
@@ -374,6 +419,7 @@ def _mesh(p: Plan):
 
 def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     from common.parallelize.ac import apply_ac
+    from common.model import set_loss_chunks
     from common.parallelize.fsdp import apply_fsdp, trace_fsdp_memory
 
     device = torch.device("cpu")
@@ -385,6 +431,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
         apply_cp(model, mesh["cp"])
     if p.ac != "none":
         apply_ac(model, p.ac)
+    set_loss_chunks(model, p.loss_chunks)
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy in ("2d", "cp_fsdp")
     if cp and fsdp:
         apply_fsdp(model, every_rank, param_dtype=torch.bfloat16 if p.dtype == "bf16" else None)
@@ -395,12 +442,12 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
             apply_fsdp(model, mesh["dp"])
     elif fsdp:
         apply_fsdp(model, mesh, reshard_after_forward=p.strategy.endswith("zero3"),
-                   param_dtype=torch.bfloat16 if p.dtype == "bf16" else None)
+                   param_dtype=torch.bfloat16 if p.dtype == "bf16" else None, split_root=p.split_root)
     # DDP itself cannot be faked: its C++ Reducer checks and buckets real storage. One DDP
     # replica holds exactly what one device holds at batch / W (its gradients are views of
     # the buckets), so that is what is traced for it.
     module = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = _adamw(p, model)
     tracer = MemoryTracer(model, optimizer, device, start=1, steps=1)
     if fsdp:
         trace_fsdp_memory(tracer, model)
@@ -418,12 +465,17 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
             if cp:  # this rank's slice of every sequence
                 from common.parallelize.cp import local_tokens
                 x, y = local_tokens(x, model.cp_ring), local_tokens(y, model.cp_ring)
-            with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                logits = module(x)
-            with loss_ctx():
-                loss = F.cross_entropy(logits.flatten(0, 1).float() if amp or cp else logits.flatten(0, 1),
-                                       y.flatten())
+            if p.head_loss:  # the script asks the model for the loss (train_ddp.py, train_fsdp.py: --loss-chunks)
+                with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                    loss = module(x, targets=y)
                 loss.backward()
+            else:  # the script holds the logits (under TP split over the vocabulary)
+                with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                    logits = module(x)
+                with loss_ctx():
+                    loss = F.cross_entropy(logits.flatten(0, 1).float() if amp or cp else logits.flatten(0, 1),
+                                           y.flatten())
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=p.strategy not in ("ddp", "cp"))
     return _traced(tracer)
@@ -435,7 +487,7 @@ def _traced(tracer) -> dict:
     r = tracer.result
     state = r["before_optimizer"] or r["peak_by_category"]
     return {**{c: state[c] for c in CATEGORIES[:3]}, "activations": r["peak_by_category"]["activations"],
-            "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"]}
+            "other": r["peak_by_category"]["other"], "peak": r["peak_bytes"], "at_peak": r["at_peak"]}
 
 
 # ---- a dry run: the layout's own script, one rank, real tensors ---------------------------------
@@ -463,6 +515,12 @@ def dry_run_command(p: Plan, args) -> list[str]:
     }[p.strategy]
     if p.sequence_parallel:
         extra.append("--sequence-parallel")
+    if p.loss_chunks > 1:
+        extra += ["--loss-chunks", str(p.loss_chunks)]
+    if p.split_root:
+        extra.append("--split-root-unit")
+    if getattr(args, "expandable_segments", False):
+        extra.append("--expandable-segments")
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
     model += ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
     return [f"step3_multi_gpu/{script}", *model, *extra, "--global-batch-size", str(p.batch),
@@ -550,9 +608,16 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
     print(f"  {'fits' if fits else 'does NOT fit'} in {memory_text(gpu_mem, headroom)} per GPU "
           f"(formula peak {fmt_bytes(est['peak'])}"
           + "".join(f", {name} peak {fmt_bytes(m['peak'])}" for name, m in measured) + ")")
+    if traced and p.device == "cuda":  # the fake tensors run this machine's (CPU) kernels, which save a little more
+        from dataclasses import replace
+        cpu = predict(replace(p, device="cpu"), est["rank"])
+        print(f"  the trace runs the CPU's kernels; the formula with them: activations {gib(cpu['activations'])}, "
+              f"peak {gib(cpu['peak'])} {UNIT[1]} (trace/formula {traced['peak'] / cpu['peak']:.3f})")
     if dry and dry.get("allocator_peak") is not None:
         print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated, "
               f"{fmt_bytes(dry['allocator_reserved'])} reserved")
+    if saved := saver_savings(p, est["rank"]):
+        print("  the savers' share of the formula's peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in saved.items()))
     sent = sum(v for k, v in est["comm"].items() if k != "recv")
     if est["comm"]:
         print("  sent per step per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est["comm"].items())
@@ -560,6 +625,21 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
     if dry:
         print("  the dry run's collectives per step: "
               + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(dry["comm"].items())) or "none"))
+
+
+def saver_savings(p: Plan, rank: int = 0) -> dict[str, int]:
+    """What each saver of plan ``p`` takes off the formula's peak: the peak with that one saver
+    off, less the peak with all of them (--loss-chunks, --split-root-unit, --ac selective-op)."""
+    from dataclasses import replace
+    off = {}
+    if p.loss_chunks > 1:
+        off[f"--loss-chunks {p.loss_chunks}"] = replace(p, loss_chunks=1)
+    if p.split_root:
+        off["--split-root-unit"] = replace(p, split_root=False)
+    if p.ac == "selective-op":
+        off["--ac selective-op (not selective)"] = replace(p, ac="selective")
+    peak = predict(p, rank)["peak"]
+    return {k: predict(q, rank)["peak"] - peak for k, q in off.items()}
 
 
 def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
@@ -586,21 +666,63 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
 
 
 def h100_comparison() -> str:
-    """Markdown: the formulas beside what was measured for the four 1b runs of H100_1B_PEAKS, the
-    CUDA formula against the H100's allocator and the CPU formula against this machine's tracer
+    """Markdown: the formulas beside what was measured for the four 1b runs of GPU_1B_PEAKS, the
+    CUDA formula against the GPU's allocator and the CPU formula against this machine's tracer
     (a fake-tensor trace of the same step with CPU kernels: about 20 s)."""
     from common.model import get_config
     cfg = get_config("1b")
-    rows = ["| 1b, batch 4 x 2048, one device | H100 allocator | formula (cuda) | off | CPU trace | "
+    rows = ["| 1b, batch 4 x 2048, one device | GPU allocator | formula (cuda) | off | CPU trace | "
             "formula (cpu) | off | formula's peak (cuda / cpu) |", "|---|---|---|---|---|---|---|---|"]
-    for (dtype, ac), h100 in H100_1B_PEAKS.items():
+    for (dtype, ac), (h100, gpu) in GPU_1B_PEAKS.items():
         cuda, cpu = (Plan(cfg, "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device=d) for d in ("cuda", "cpu"))
         fc, fp, t = predict(cuda), predict(cpu), trace(cpu)["peak"] / GiB
         name = {"none": dtype if dtype == "fp32" else "bf16 autocast"}.get(ac, f"bf16 + {ac} AC")
-        rows.append(f"| {name} | {h100:.2f} GiB | {fc['peak'] / GiB:.2f} GiB | {fc['peak'] / GiB / h100 - 1:+.1%} | "
+        rows.append(f"| {name} | {h100:.2f} GiB ({gpu}) | {fc['peak'] / GiB:.2f} GiB | {fc['peak'] / GiB / h100 - 1:+.1%} | "
                     f"{t:.2f} GiB | {fp['peak'] / GiB:.2f} GiB | {fp['peak'] / GiB / t - 1:+.1%} | "
                     f"{fc['peak_at']} / {fp['peak_at']} |")
     return "\n".join(rows)
+
+
+# torchtitan's Llama 3.1 8B on 8 H100s (96 GB): FSDP, local batch 2 x 8192, selective AC (its per-op
+# policy), bf16; the max reserved memory it logs (docs/performance.md), GiB.
+TORCHTITAN_8B_GIB = {"eager": 82.4, "compiled": 77.0}
+TORCHTITAN_8B = ["--model", "8b", "--vocab-size", "128256", "--world-size", "8", "--strategy", "fsdp", "--batch",
+                 "16", "--seq-len", "8192", "--dtype", "bf16", "--device", "cuda"]
+TORCHTITAN_SAVERS = {"the layout alone": ["--ac", "selective"],
+                     "+ chunked loss, own head unit": ["--ac", "selective", "--loss-chunks", "16", "--split-root-unit"],
+                     "+ per-op selective AC": ["--ac", "selective-op", "--loss-chunks", "16", "--split-root-unit"]}
+
+
+def torchtitan_comparison() -> str:
+    """Markdown: rank 0 of torchtitan's 8B layout with our savers added one by one, the formula
+    beside the fake-tensor trace (what is alive at the trace's peak, by category), against the
+    memory torchtitan logs. Three traces of the whole model: about 90 s on two cores."""
+    cols, rows = [], {}
+    for name, flags in TORCHTITAN_SAVERS.items():
+        args = build_parser().parse_args(TORCHTITAN_8B + flags)
+        check(args)
+        (p,) = plans(args)
+        f, t = predict(p), trace(p)
+        cols.append((name, " ".join(flags), f, t))
+    def row(name, cells):
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    out = [row("rank 0 of 8, GiB", [f"{n}: formula" if i % 2 == 0 else "trace" for n, *_ in cols for i in (0, 1)]),
+           "|---|" + "---:|" * 2 * len(cols),
+           row("flags", [x for _, fl, *_ in cols for x in (f"`{fl}`", "")])]
+    transient = []
+    for *_, f, _ in cols:
+        transient += [k for k in f["transient"] if k not in transient]
+    for c in CATEGORIES:
+        out.append(row(c, [x for *_, f, t in cols for x in (gib(f[c]), gib(t["at_peak"][c]))]))
+    for k in transient:
+        out.append(row(k, [x for *_, f, t in cols for x in (gib(f["transient"][k]) if k in f["transient"] else "", "")]))
+    out.append(row("other (traced: temporaries, gathered blocks)", [x for *_, f, t in cols
+                                                                     for x in ("", gib(t["at_peak"]["other"]))]))
+    out.append(row("**peak**", [x for *_, f, t in cols for x in (
+        f"**{gib(f['peak'])}** ({f['peak_at']})", f"**{gib(t['peak'])}** ({t['peak'] / f['peak'] - 1:+.1%})")]))
+    tt = ", ".join(f"{v} GiB {k}" for k, v in TORCHTITAN_8B_GIB.items())
+    return "\n".join(out) + f"\n\ntorchtitan logs {tt} (max reserved, its own per-op selective AC, plain loss)."
 
 
 def _n_params(p: Plan) -> int:

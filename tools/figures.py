@@ -568,6 +568,9 @@ ESTIMATES = {
     "est-trace-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "fsdp", "--trace"]], True),
     "est-cp": ([["--model", "1b", "--strategy", "single", "--seq-len", "2048", "--batch", "4"],
                 ["--model", "1b", "--world-size", "4", "--strategy", "cp", "--seq-len", "2048", "--batch", "4"]], True),
+    "est-torchtitan-8b": ([["--model", "8b", "--vocab-size", "128256", "--world-size", "8", "--strategy", "fsdp",
+                            "--batch", "16", "--seq-len", "8192", "--ac", "selective", "--loss-chunks", "16",
+                            "--split-root-unit", "--trace"]], True),
     "est-trace-pp": ([["--model", "small", "--n-layers", "8", "--world-size", "4", "--strategy", "pp", "--batch", "8",
                        "--seq-len", "64", "--dtype", "fp32", "--microbatches", "8", "--trace"]], True),
 }
@@ -594,8 +597,9 @@ def estimates(suffix: str = "") -> dict[str, str]:
             outs.append(out.getvalue().strip("\n"))
         text = "\n\n".join(outs)
         blocks[marker] = f"```\n{text}\n```" if fenced else text
-    from tools.estimate import h100_comparison
-    blocks["fit-h100-1b"] = h100_comparison()  # the formulas against the H100's 1b peaks
+    from tools.estimate import h100_comparison, torchtitan_comparison
+    blocks["fit-h100-1b"] = h100_comparison()  # the formulas against the GPUs' 1b peaks
+    blocks["fit-torchtitan-8b"] = torchtitan_comparison()  # torchtitan's 8B layout, saver by saver (90 s)
     return blocks
 
 
@@ -768,7 +772,8 @@ def pp_v_memory_table(suffix: str = "") -> dict[str, str]:
 # prediction of torchtitan's published runs, the figure of every layout that fits on four nodes,
 # and the benchmark against this machine if tools/bench_plan.py has run (--only plan).
 PLANS = {"plan-8b-1node": ["--model", "8b", "--vocab-size", "128256", "--gpus", "8", "--gpu", "h100",
-                           "--global-batch-size", "16", "--seq-len", "8192", "--top", "3"],
+                           "--global-batch-size", "16", "--seq-len", "8192", "--loss-chunks", "16",
+                           "--split-root-unit", "--top", "3"],
          "plan-8b-4nodes": ["--model", "8b", "--vocab-size", "128256", "--gpus", "32", "--gpus-per-node", "8",
                             "--gpu", "h100", "--global-batch-size", "64", "--seq-len", "8192", "--top", "3"]}
 

@@ -44,7 +44,7 @@ from tools.estimate import HEADROOM_GIB, check_layouts, default_seq_len, label, 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = ROOT / "runs" / "calibration.json"
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "selective-op", "full")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: bf16 AMP)")
     p.add_argument("--ac", default="all", choices=("all", *AC_MODES),
                    help="activation checkpointing modes to consider (default: all three)")
+    p.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                   help="the loss in N chunks of tokens where the script offers it (train_ddp.py, train_fsdp.py; "
+                        "default: 1, the plain loss)")
+    p.add_argument("--split-root-unit", action="store_true",
+                   help="FSDP layouts with the embedding and the head in units of their own (train_fsdp.py)")
     p.add_argument("--compile", action="store_true",
                    help="predict with torch.compile's achieved matmul rate (the scripts' --compile)")
     p.add_argument("--headroom", type=float, default=HEADROOM_GIB,
@@ -124,8 +129,17 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: str, device: str,
-            acs=AC_MODES) -> list[Plan]:
-    """Every layout of the step-3 scripts on ``world`` ranks, under each AC mode in ``acs``."""
+            acs=AC_MODES, loss_chunks: int = 1, split_root: bool = False) -> list[Plan]:
+    """Every layout of the step-3 scripts on ``world`` ranks, under each AC mode in ``acs``;
+    ``loss_chunks`` and ``split_root`` where the layout's script takes them (--loss-chunks:
+    train_ddp.py and train_fsdp.py; --split-root-unit: train_fsdp.py)."""
+    return [replace(p, loss_chunks=loss_chunks if p.head_loss else 1,
+                    split_root=split_root and p.strategy.startswith(("fsdp", "hsdp")))
+            for p in _layouts(cfg, world, per_node, batch, seq_len, dtype, device, acs)]
+
+
+def _layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: str, device: str,
+             acs=AC_MODES) -> list[Plan]:
     from common.parallelize.pp import SCHEDULES
     out = []
     for ac in acs:
@@ -200,6 +214,8 @@ def command(p: Plan, args, per_node: int) -> str:
                                         p.schedule, "--microbatches", str(p.microbatches)]
     if p.sequence_parallel:
         extra.append("--sequence-parallel")
+    extra += ["--loss-chunks", str(p.loss_chunks)] if p.loss_chunks > 1 else []
+    extra += ["--split-root-unit"] if p.split_root else []
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
     model += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
     flags = [*model, *extra, "--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac]
@@ -280,7 +296,7 @@ def plan_text(args) -> str:
     batch = args.global_batch_size or args.gpus
     acs = AC_MODES if args.ac == "all" else (args.ac,)
     ps = layouts(cfg, args.gpus, per_node, batch, args.seq_len, args.dtype, "cuda" if not args.calibration else "cpu",
-                 acs)
+                 acs, args.loss_chunks, args.split_root_unit)
     fit, dropped = evaluate(ps, machine, args.compile, args.headroom)
     if not fit and not any("peak" in d for d in dropped):
         raise UserError(f"no step-3 script runs any layout of --gpus {args.gpus} with --global-batch-size {batch}; "
@@ -323,7 +339,8 @@ def layouts_figure(args, path: Path) -> None:
     machine = machine_of(args)
     batch = args.global_batch_size or args.gpus
     acs = AC_MODES if args.ac == "all" else (args.ac,)
-    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs),
+    fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, batch, args.seq_len, args.dtype, "cuda", acs,
+                              args.loss_chunks, args.split_root_unit),
                       machine, args.compile, args.headroom)
     colors = dict(zip(TERMS, ("#4C72B0", "#8172B3", "#C44E52", "#CCB974", "#55A868")))
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(fit) + 1.6))
@@ -530,19 +547,19 @@ def calibration_text(c: dict) -> str:
 # settings beside the number: FSDP=8, TP=8, torch.compile, per-op SAC, local batch size 12 (per
 # data-parallel rank); torchtitan's TP shards the norms along the sequence (sequence parallelism).
 # Memory: the allocator's max reserved, GiB. "compiled": torch.compile. The CP rows also ran Float8
-# (not modelled: bf16 predicted). torchtitan's selective AC is its per-op policy, whose recompute
-# (every second matmul, step_time's per_op_sac) is charged; our scripts' own selective AC is not.
+# (not modelled: bf16 predicted). torchtitan's selective AC is its per-op policy: our --ac
+# selective-op (every second matmul recomputed, charged as it runs), with the plain loss, as theirs.
 TORCHTITAN = [
     # (what, gpus, fsdp, tp, cp, local batch, seq, ac, compiled, tokens/s/GPU, GiB)
-    ("Table 1: FSDP, eager", 8, 8, 1, 1, 2, 8192, "selective", False, 5762, 82.4),
-    ("Table 1: FSDP + compile", 8, 8, 1, 1, 2, 8192, "selective", True, 6667, 77.0),
-    ("Table 3: FSDP, eager", 128, 128, 1, 1, 2, 8192, "selective", False, 5605, 67.0),
-    ("Table 3: FSDP + compile", 128, 128, 1, 1, 2, 8192, "selective", True, 6514, 62.0),
+    ("Table 1: FSDP, eager", 8, 8, 1, 1, 2, 8192, "selective-op", False, 5762, 82.4),
+    ("Table 1: FSDP + compile", 8, 8, 1, 1, 2, 8192, "selective-op", True, 6667, 77.0),
+    ("Table 3: FSDP, eager", 128, 128, 1, 1, 2, 8192, "selective-op", False, 5605, 67.0),
+    ("Table 3: FSDP + compile", 128, 128, 1, 1, 2, 8192, "selective-op", True, 6514, 62.0),
     ("Table 2: FSDP 8, CP 1 (+compile, float8)", 8, 8, 1, 1, 1, 32768, "full", True, 3890, 83.9),
     ("Table 2: FSDP 4, CP 2 (+compile, float8)", 8, 8, 1, 2, 1, 65536, "full", True, 2540, 84.2),
     ("Table 2: FSDP 2, CP 4 (+compile, float8)", 8, 8, 1, 4, 1, 131072, "full", True, 1071, 84.0),
     ("Table 2: FSDP 1, CP 8 (+compile, float8)", 8, 8, 1, 8, 1, 262144, "full", True, 548, 84.5),
-    ("asyncTP benchmark: FSDP 8 x TP 8 (+compile, local batch 12)", 64, 8, 8, 1, 12, 8192, "selective", True, 4378,
+    ("asyncTP benchmark: FSDP 8 x TP 8 (+compile, local batch 12)", 64, 8, 8, 1, 12, 8192, "selective-op", True, 4378,
      None),
 ]
 
@@ -561,7 +578,7 @@ def torchtitan_rows() -> list[dict]:
             p = Plan(cfg, "2d", tp=tp, batch=local * dp, sequence_parallel=True, **c)
         else:
             p = Plan(cfg, "fsdp_zero3", batch=local * gpus, **c)
-        t = step_time(p, machine, compiled, per_op_sac=ac == "selective")
+        t = step_time(p, machine, compiled)
         mem = worst_rank(p)
         # train_cp.py's ring attention keeps one block's fp32 scores (a lesson on CPU); torchtitan's
         # runs a flash kernel per block, which keeps none: their peak is ours without that term

@@ -21,10 +21,10 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                recomputes only norms, RoPE, SiLU, the SwiGLU product and the residual adds:
                no matmul FLOPs, but memory-bound passes, counted as the bytes those ops
                read and write (theory.py's activations dropped, twice) over HBM bandwidth.
-               torchtitan's per-op selective AC (``per_op_sac=True``, for its published runs)
+               torchtitan's per-op selective AC (``--ac selective-op``; its published runs)
                recomputes those too, and every second matmul of a block (it saves the 1st,
                3rd, 5th and 7th of wq, wk, wv, wo, w1, w3, w2): wk, wo and w3's forward
-               FLOPs again (``per_op_sac_flops``).
+               FLOPs again (``recompute_flops``, ``per_op_sac_flops``).
   exposed communication
                each collective's time on its link, t = calls x latency + bytes x ring factor
                / bandwidth (ring factors as nccl-tests' busbw: 2(n-1)/n for all-reduce,
@@ -286,7 +286,10 @@ def head_flops(cfg: ModelConfig) -> float:
 
 
 def recompute_flops(cfg: ModelConfig, seq_len: int, ac: str) -> float:
-    """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third)."""
+    """Extra FLOPs per token and checkpointed block: full AC runs the forward again (a third);
+    selective-op runs wk, wo and w3 again (2 FLOPs a weight a token)."""
+    if ac == "selective-op":
+        return float(per_op_sac_flops(cfg))
     return layer_flops(cfg, seq_len) / 3 if ac == "full" else 0.0
 
 
@@ -345,11 +348,8 @@ def fraction_from_step(plan: Plan, step_s: float, machine: Machine, compiled: bo
     return flop_bound / (step_s - (full["step"] - flop_bound))
 
 
-def step_time(plan: Plan, machine: Machine, compiled: bool = False, per_op_sac: bool = False) -> dict:
+def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     """Predicted seconds per optimizer step of ``plan`` on ``machine``, by term, for the slowest rank.
-
-    ``per_op_sac``: selective AC as torchtitan's "op" policy runs it (every second matmul
-    recomputed too), not as our scripts' (common/parallelize/ac.py: no matmul recomputed).
 
     Returns {"compute", "recompute", "exposed communication", "bubble", "optimizer", "step"}
     plus "comm" (a list of Comm, each collective's total and exposed time), "tokens_per_s",
@@ -372,15 +372,16 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False, per_op_sac: 
         last = shapes is None or "output.weight" in shapes
         per_token = n_layers * layer_flops(cfg, plan.seq_len) + (head_flops(cfg) if last else 0)
         k = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
+        # --loss-chunks: backward runs the output projection again (2 FLOPs a weight a token)
+        head_again = 2 * cfg.vocab_size * cfg.dim if last and plan.loss_chunks > 1 else 0
         stages.append((seq_tokens * per_token / tp / rate,
-                       seq_tokens * k * recompute_flops(cfg, plan.seq_len, plan.ac) / tp / rate, n_layers, k))
+                       seq_tokens * (k * recompute_flops(cfg, plan.seq_len, plan.ac) + head_again) / tp / rate,
+                       n_layers, k))
     compute, recompute, n_layers, k = max(stages, key=lambda x: x[0] + x[1])
-    if plan.ac == "selective" and k:  # memory-bound: the dropped tensors, written and read again
+    if plan.ac.startswith("selective") and k:  # memory-bound: the dropped tensors, written and read again
         dropped = layer_activation_bytes(cfg, seq_tokens, dtype, "none", tp, plan.sequence_parallel) - \
-            layer_activation_bytes(cfg, seq_tokens, dtype, "selective", tp, plan.sequence_parallel)
-        recompute = k * 2 * dropped / machine.hbm
-        if per_op_sac:
-            recompute += seq_tokens * k * per_op_sac_flops(cfg) / tp / rate
+            layer_activation_bytes(cfg, seq_tokens, dtype, plan.ac, tp, plan.sequence_parallel)
+        recompute += k * 2 * dropped / machine.hbm
     forward, backward = compute / 3, 2 * compute / 3 + recompute
 
     comms: list[Comm] = []

@@ -37,13 +37,21 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
                 projections save (2 x 2d), q/out 2 x 2d, k/v 2 x 2kv, the MLP 4 x 2f, lse
                 4h, the norms' 1/rms 8; plus, per step, a bf16 copy of every weight
                 matrix (2 bytes x matmul parameters, autocast's cache) and the RoPE tables,
-                cast to bf16 once per forward (4 x max_seq_len x head_dim). The same on
-                CUDA (flash takes grouped k/v as they are).
+                cast to bf16 once per forward (4 x max_seq_len x head_dim). CUDA takes
+                grouped k/v as they are too.
+  CUDA's kernels (``device="cuda"``) keep 8d bytes less without AC, both dtypes: the fused
+                RMSNorm keeps its input and 1/rms, not the normalised x the CPU's composite
+                norm keeps (fp32, 4d a norm). Exactly the lists tools.saved_census printed on
+                an H200 (1b: 100,488 bytes a token and layer in bf16, 196,744 in fp32).
   selective AC  4d + b(4d + 2kv + 2f) + 4h, b = 2 (bf16) or 4 (fp32): what
                 common/parallelize/ac.py's policy keeps, the block input (fp32) and the
                 outputs of the matmuls (wq, wk, wv, wo, w1, w3, w2) and of attention (its
                 output and log-sum-exp); norms, RoPE, SiLU, the product and the residual
                 adds are recomputed. Exact against the CPU tracer.
+  selective-op  4d + b(3d + kv + f) + 4h: torchtitan's per-op policy, every second matmul
+                recomputed too (wk, wo and w3 of the seven), the others' outputs kept.
+  Under FSDP's bf16 policy (no autocast) the residual stream is bf16: a checkpointed
+  block's input is 2d bytes, not 4d.
   full AC       the block input only: 4d (fp32 residual stream, also under autocast);
                 backward recomputes one block at a time (a transient, not an activation).
   With AC, autocast's weight copies of the checkpointed blocks are saved by nothing:
@@ -52,28 +60,23 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
 
 Outside the blocks: the input batch (x and y, int64: 16 bytes/token), the final norm
 (12d + 4 bytes in fp32), the logits and cross entropy's log-probabilities (4V + 4V; the
-training loop holds ``logits`` until backward). Tensor parallelism divides what is sharded
+training loop holds ``logits`` until backward), or where the script asks the model for the
+loss (DDP, ZeRO-1, FSDP, HSDP: ``Plan.head_loss``) the log-probabilities alone, and with
+``--loss-chunks`` nothing (common/loss.py). The loss's backward is a moment of its own: two
+fp32 (tokens, V) gradients at once, or one chunk's logits and softmax, the output layer's
+whole gradient and its input's. Tensor parallelism divides what is sharded
 (heads, MLP units, vocabulary with loss parallelism) by tp; sequence parallelism also
 divides the norms' share. Pipeline stages keep the activations of the micro-batches in
 flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
 
-The peak is the largest of four moments (``_peak``): the end of forward (no gradients yet
-when the last step freed them, autocast's cache still full), the start of backward (one
-block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
-default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). On
-one H100 (1b, 4 x 2048; tests/test_estimate.py holds the numbers) the formula is within
-1.3% of the allocator's peak for fp32 (end of forward), selective AC (end of forward) and
-full AC (the optimizer step, 20N exactly), and 8.7% (2.6 GiB) UNDER it for bf16 autocast
-without checkpointing: something CUDA's autocast path keeps that the CPU does not, not yet
-identified (selective AC, which keeps no norm, RoPE or SwiGLU tensors, fits).
-A caveat on the fp32 row: it fits because the CUDA count keeps each norm's normalised x,
-as the CPU's composite RMSNorm does. PyTorch's source says CUDA runs ``_fused_rms_norm``
-when input and weight share a dtype (they do here), whose backward keeps x and 1/rms
-only; if so, about 2 GiB of the fp32 peak are something else of the same size that this
-count does not name, and bf16's gap is 4.6 GiB, not 2.6. Kept fp32 norm outputs, or
-grouped k/v expanded inside flash attention, are candidates of the right size.
-``python -m tools.saved_census --device cuda`` lists what one block keeps on a GPU, node
-by node (on CPU it equals this count to the byte): one run there settles both.
+The peak is the largest of five moments (``_peak``): the end of forward (no gradients yet
+when the last step freed them, autocast's cache still full), the loss's backward, the start
+of backward (one block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
+default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). At
+1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
+1.5% of the allocator's peak: fp32 and bf16 autocast on an H200, selective and full AC (the
+optimizer step, 20N exactly) on an H100. ``python -m tools.saved_census --device cuda`` lists
+what one block keeps on a GPU, node by node (on CPU it equals this count to the byte).
 
 The measured band (tests/test_estimate.py, CPU): the formula's activations equal the
 tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under TP; the
@@ -238,7 +241,8 @@ def unsharded_bytes(cfg: ModelConfig, world: int = 1, bytes_per_param: int = 4) 
 
 
 # ---- communication ---------------------------------------------------------------------------
-def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_bytes: int, accum: int):
+def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_bytes: int, accum: int,
+             split_root: bool = False):
     n = sum(math.prod(s) for s in shapes.values())
     if strategy in ("single",) or world == 1:
         return {}
@@ -252,6 +256,8 @@ def _dp_comm(strategy: str, shapes: dict, world: int, shard: int | None, param_b
     gathered = {k: padded_shard_numel(sh, s) * s for k, sh in shapes.items()}  # padded full size
     full = sum(gathered.values())
     no_root = sum(v for k, v in gathered.items() if not is_root(k))
+    if split_root:  # --split-root-unit: the embedding's unit is gathered again for backward, as a block's is
+        no_root += sum(v for k, v in gathered.items() if k.startswith("tok_embeddings."))
     out = {"all_gather": accum * param_bytes * (full + (no_root if strategy.endswith("zero3") else 0)),
            "reduce_scatter": 4 * full,
            # clipping: PyTorch reduces one fp32 norm per sharded tensor, in one all-reduce
@@ -328,25 +334,32 @@ def pp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, pp: int, rank:
 
 # ---- activations ----------------------------------------------------------------------------
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", ac: str = "none", tp: int = 1,
-                           sequence_parallel: bool = False, device: str = "cpu") -> int:
+                           sequence_parallel: bool = False, device: str = "cpu", mp_policy: bool = False) -> int:
     """Bytes one block keeps for backward, for ``tokens`` tokens on one rank (see the module notes).
 
-    ``device`` matters in one place: in fp32 on CUDA with grouped-query attention the model
-    copies k and v to every query head before attention (common/model.py: CUDA's fp32 kernel
-    has no GQA), so attention saves k and v at the width of q, d, instead of kv.
+    ``device`` picks whose kernels: on CUDA the fused RMSNorm keeps its input and 1/rms but
+    not the normalised x (the CPU's composite norm keeps it: 4 bytes x d, twice a block), and
+    in fp32 with grouped-query attention the model copies k and v to every query head before
+    attention (common/model.py: CUDA's fp32 kernel has no GQA), so attention saves k and v at
+    the width of q, d, instead of kv. ``mp_policy``: bf16 under FSDP's mixed-precision policy
+    instead of autocast: the residual stream is bf16, so a checkpointed block's input is 2
+    bytes a value, not 4 (without AC the count stays autocast's, an upper bound).
     """
     d, f, h, kv = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads * cfg.head_dim
     b = 4 if dtype == "fp32" else 2
+    stream = 2 if mp_policy and dtype != "fp32" else 4  # the residual stream's bytes a value
     if ac == "full":
-        return 4 * d * tokens // (tp if sequence_parallel else 1)
-    if ac == "selective":
+        return stream * d * tokens // (tp if sequence_parallel else 1)
+    if ac in ("selective", "selective-op"):
         # common/parallelize/ac.py keeps the block input (the checkpoint's argument, fp32 residual
         # stream) and the outputs of the matmuls and of attention; everything else is recomputed.
         # Sharded over heads and MLP units: wq, wk, wv (kv: before any GQA copy, which is
         # recomputed), attention's output and log-sum-exp, w1, w3. Full width on every TP rank:
         # wo's and w2's local products (partial sums, reduced after the matmul).
         replicated, sharded = b * 2 * d, b * (2 * d + 2 * kv + 2 * f) + 4 * h
-        block_input = 4 * d // (tp if sequence_parallel else 1)
+        if ac == "selective-op":  # every second matmul recomputed: wq, wv, w1 and w2 kept, wk, wo, w3 not
+            replicated, sharded = b * d, b * (2 * d + kv + f) + 4 * h
+        block_input = stream * d // (tp if sequence_parallel else 1)
         return tokens * (block_input + replicated + sharded // tp)
     # CUDA path: the formula for CUDA's kernels, computed on any machine:
     # tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
@@ -365,21 +378,46 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", a
         replicated, sharded = 20 * d + 8, 4 * d + 4 * kv + 4 * h + 8 * f
         if sequence_parallel:  # the norms' bf16 outputs gathered; the rest split along the sequence
             replicated, sharded = 4 * d, sharded + 16 * d + 8
+    # CUDA path: tests/test_estimate.py::test_cuda_kernels_keep_what_the_census_on_the_h200_listed
+    if device == "cuda":  # the fused RMSNorm keeps no normalised x (fp32, both norms)
+        if sequence_parallel:
+            sharded -= 8 * d
+        else:
+            replicated -= 8 * d
     return tokens * (replicated + sharded // tp)
 
 
 def head_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp: int = 1,
                           loss_parallel: bool = True, sequence_parallel: bool = False,
-                          fp32_logits: bool = False) -> int:
+                          fp32_logits: bool = False, head_loss: bool = False, loss_chunks: int = 1) -> int:
     """The final norm, the logits and cross entropy's log-probabilities (last stage only).
     ``fp32_logits``: bf16 compute that hands the loss fp32 logits (FSDP's root policy,
-    output_dtype fp32: the bf16 matmul output dies in the cast, its fp32 copy is kept)."""
+    output_dtype fp32: the bf16 matmul output dies in the cast, its fp32 copy is kept).
+    ``head_loss``: the model computes the loss itself (``model(x, targets=y)``), so nothing
+    holds the logits: only the log-probabilities stay (4 bytes a vocabulary entry), and with
+    ``loss_chunks`` > 1 not even those (common/loss.py keeps only the output layer's input,
+    the norm's output, counted here already)."""
     d, v = cfg.dim, cfg.vocab_size // (tp if loss_parallel else 1)
     norm = 12 * d + 4 if dtype == "fp32" else 10 * d + 4
     if sequence_parallel:
         norm = (norm - 4 * d) // tp + 4 * d
+    if head_loss:
+        return tokens * (norm + (4 * v if loss_chunks <= 1 else 0))
     logits = (4 if dtype == "fp32" or fp32_logits else 2) * v
     return tokens * (norm + logits + 4 * v)
+
+
+def loss_backward_bytes(cfg: ModelConfig, tokens: int, dtype: str, loss_chunks: int = 1, tp: int = 1,
+                        weight_bytes: int = 4) -> int:
+    """What the loss's backward holds at once beyond the activations: the plain loss two fp32
+    (tokens, vocab) gradients (of the log-probabilities and of the logits); the chunked one
+    (common/loss.py) one chunk's logits and their softmax (fp32: 8 bytes an entry), the
+    output layer's whole gradient (``weight_bytes`` a value) and the gradient of its input."""
+    v = cfg.vocab_size // tp
+    if loss_chunks <= 1:
+        return 8 * v * tokens
+    chunk = -(-tokens // loss_chunks)
+    return 8 * v * chunk + weight_bytes * v * cfg.dim + DTYPE_BYTES[dtype] * tokens * cfg.dim
 
 
 def amp_weight_copies(shapes: dict) -> int:
@@ -418,6 +456,10 @@ class Plan:
     ep: int | None = None             # expert-parallel degree (strategy "ep"; default: the world size)
     notes: list = field(default_factory=list)
     cp: int | None = None             # context-parallel degree (strategies cp, cp_fsdp; default: the world size)
+    loss_chunks: int = 1              # --loss-chunks: the output layer and the loss in chunks of tokens
+    head_loss: bool | None = None     # the loss is the model's own (model(x, targets=y): train_ddp.py and
+                                      # train_fsdp.py), holding no logits; None: from the strategy
+    split_root: bool = False          # --split-root-unit: embedding and head in FSDP units of their own
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
@@ -427,6 +469,8 @@ class Plan:
             self.tp = self.world
         if self.strategy == "pp" and self.pp == 1:
             self.pp = self.world
+        if self.head_loss is None:
+            self.head_loss = self.strategy in HEAD_LOSS_STRATEGIES
         if self.optimizer is None:  # what torch.optim picks when told neither foreach nor fused
             # CUDA path: tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
             self.optimizer = "foreach" if self.device == "cuda" else "for-loop"
@@ -449,6 +493,8 @@ class Plan:
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
 
+# the layouts whose scripts ask the model for the loss (model(x, targets=y)) instead of holding logits
+HEAD_LOSS_STRATEGIES = ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
 
 
 def _loops(plan: Plan) -> int:
@@ -495,13 +541,16 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
 
 
 def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
-    """The step's peak: the largest of three moments.
+    """The step's peak: the largest of five moments.
 
     - end of forward: parameters, AdamW state, every activation and autocast's cache of
       bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
       are not there yet when the previous step freed them (``zero_grad(set_to_none=True)``
       with one micro-batch and no DDP); DDP keeps its gradient buckets, accumulation and
       pipelines keep the gradients of the earlier micro-batches.
+    - the loss's backward: the same less the cache, with FSDP's root (or head) unit and one
+      block gathered, plus the loss's gradients (``loss_backward_bytes``): the peak of a
+      large vocabulary's plain loss;
     - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
     - end of backward: every gradient, and the first block rebuilt (what matters under full
       AC, where the activations are small and the gradients are not);
@@ -518,10 +567,12 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     base += sum(v for k, v in transient.items() if "FSDP" in k)
     cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
     rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
+    loss = sum(v for k, v in transient.items() if k.startswith(LOSS_BACKWARD))
+    at_loss = base - sum(v for k, v in transient.items() if "FSDP" in k) + out.get("FSDP at the loss", 0)
     # half the state: one fp32 value a parameter (the few bytes of step counters aside)
     temporaries = state_bytes // 2 if plan.optimizer == "foreach" else 0
     full = out["parameters"] + out["gradients"] + state_bytes
-    moments = {"end of forward": base + cache, "start of backward": base + rebuilt,
+    moments = {"end of forward": base + cache, "loss backward": at_loss + loss, "start of backward": base + rebuilt,
                "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
@@ -530,6 +581,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
 
 
 ROOT_REDUCE = "FSDP root unit's reduce-scatter"
+LOSS_BACKWARD = "the loss's backward"
 
 
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
@@ -541,7 +593,8 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     shard and the logits the script still holds (fp32: the root's output dtype). Small with
     a byte vocabulary; with a 128K one the root is larger than any block (measured at 1b,
     rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the peak)."""
-    root = {k: s for k, s in shapes.items() if is_root(k)}
+    root = {k: s for k, s in shapes.items() if is_root(k) and not (plan.split_root and not k.startswith(
+        "tok_embeddings."))}  # --split-root-unit: the embedding's unit is the last to reduce
     if not root:
         return {}
     full = sum(padded_shard_numel(s, shard) * shard for s in root.values())
@@ -549,7 +602,8 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     return {"other units' gradient shards": grads - own,
             f"root's full gradients ({plan.dtype})": DTYPE_BYTES[plan.dtype] * full,
             "root's fp32 reduce-scatter copy": 4 * full,
-            "logits still held (fp32)": 4 * tokens * (plan.cfg.vocab_size // plan.tp) if "output.weight" in root else 0}
+            "logits still held (fp32)": 4 * tokens * (plan.cfg.vocab_size // plan.tp)
+            if "output.weight" in root and not plan.head_loss else 0}
 
 
 def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
@@ -590,11 +644,15 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     # apply_ac checkpoints the blocks whose position in model.layers is a multiple of ac_every
     # (a pipeline stage counts its own blocks from 0); the others keep everything
     checkpointed = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
-    act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device)
+    # FSDP's bf16 is its mixed-precision policy (no autocast) but under 2-D, where autocast stays
+    mp_policy = fsdp and plan.strategy != "2d" and plan.dp > 1
+    act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device,
+                                         mp_policy)
               for k, ac in ((checkpointed, plan.ac), (n_layers - checkpointed, "none")) if k)
     if "output.weight" in shapes:
         act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel,
-                                     fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")))
+                                     fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")),
+                                     head_loss=plan.head_loss, loss_chunks=plan.loss_chunks)
     act *= in_flight
     if plan.schedule in V_SCHEDULES and plan.pp > 1:  # two stages whose micro-batches come and go apart
         act, in_flight = _v_activations(plan, stage, tokens)
@@ -634,20 +692,33 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         pbytes = DTYPE_BYTES[plan.dtype]
         if kind.endswith("zero2"):
             gathered = sum(math.prod(s) for s in shapes.values())
+        elif plan.split_root:  # the head's unit stays gathered from its forward to its backward; a block, and
+            # the next one prefetched (the embedding's unit is gathered only around its own forward and backward)
+            gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and not k.startswith(
+                "tok_embeddings.")) + 2 * block_n
         else:  # the root stays gathered; a block, and the next one prefetched
             gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
-        transient["gathered parameters (FSDP)"] = pbytes * gathered
+        transient["gathered parameters (FSDP" + (", head in its own unit)" if plan.split_root else ")")] = \
+            pbytes * gathered
         # a block's full gradients in the compute dtype and their fp32 copy in the
         # reduce-scatter buffer, alive together while FSDP reduces it (see _root_reduce)
         transient["unsharded gradients (FSDP)"] = (pbytes + 4) * block_n
+        # when the loss's backward runs, no block's gradient exists yet and one block is gathered
+        # (backward's prefetch of the last), not two
+        out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
         if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens):
             out[ROOT_REDUCE] = root
-    if plan.ac in ("full", "selective") and n_layers:
+    if plan.ac in ("full", "selective", "selective-op") and n_layers:
         # backward rebuilds one block at a time: all of it (full), or what selective AC dropped
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
-        if plan.ac == "selective":
-            rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, "selective", plan.tp, plan.sequence_parallel)
+        if plan.ac != "full":
+            rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
         transient[f"one block recomputed ({plan.ac} AC)"] = rebuilt
+    if "output.weight" in shapes:  # the loss's backward, on the last stage
+        what = "plain" if plan.loss_chunks <= 1 else f"in {plan.loss_chunks} chunks"
+        transient[f"{LOSS_BACKWARD} ({what})"] = loss_backward_bytes(
+            cfg, tokens, plan.dtype, plan.loss_chunks, plan.tp if plan.loss_parallel else 1,
+            DTYPE_BYTES[plan.dtype] if mp_policy else 4)
     out["transient"] = transient
     out["peak"], out["peak_at"], out["optimizer temporaries"] = _peak(plan, kind, fsdp, out, transient)
 
@@ -655,7 +726,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     if plan.dp > 1:
         dp_strategy = {"single": "ddp", "hsdp": "hsdp_zero3"}.get(kind, kind)
         comm |= _dp_comm(dp_strategy, shapes, plan.dp, plan.shard if kind == "hsdp" else None,
-                         DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum)
+                         DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum, plan.split_root)
     if plan.tp > 1:
         stage_cfg = replace(cfg, n_layers=n_layers)
         for k, v in tp_bytes_per_step(stage_cfg, plan.batch // plan.dp, plan.seq_len, plan.sequence_parallel,

@@ -20,13 +20,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "selective-op")
 
 aten = torch.ops.aten
 # Selective AC keeps the outputs of these ops and recomputes everything else in the
 # block: matrix multiplies and attention cost O(n * d^2) or O(n^2 * d) FLOPs to redo,
 # while norms, RoPE, SiLU and the residual adds are cheap to redo but together hold as
-# many bytes. (torchtitan's policy, without its "every second matmul" refinement.)
+# many bytes. ``selective-op`` is torchtitan's per-op policy: the same, but every second
+# matmul of a block is recomputed too (wk, wo and w3 of our block's seven), which trades
+# three matmuls of recomputation for their outputs' bytes.
 _SAVE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
@@ -36,6 +38,21 @@ for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_
 
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _every_second_mm_policy(counts, ctx, op, *args, **kwargs):
+    """Keep what ``_selective_policy`` keeps, except the output of every second mm (the 2nd,
+    4th, ...), counted apart in the forward and in the recomputation so both agree."""
+    if op is aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return _selective_policy(ctx, op)
+
+
+def _every_second_mm_contexts():
+    return create_selective_checkpoint_contexts(partial(_every_second_mm_policy, {}))  # fresh counts per forward
 
 
 class _Checkpointed:
@@ -56,7 +73,7 @@ class _Checkpointed:
 _classes: dict[type, type] = {}
 
 
-def checkpoint_module(module: nn.Module, selective: bool = False) -> nn.Module:
+def checkpoint_module(module: nn.Module, selective: bool | str = False) -> nn.Module:
     """Make ``module`` recompute its forward in backward instead of keeping activations."""
     cls = type(module)
     if isinstance(module, _Checkpointed):
@@ -64,7 +81,9 @@ def checkpoint_module(module: nn.Module, selective: bool = False) -> nn.Module:
     if cls not in _classes:
         _classes[cls] = type(f"Checkpointed{cls.__name__}", (_Checkpointed, cls), {})
     module.__class__ = _classes[cls]
-    if selective:
+    if selective == "selective-op":
+        module._ac_context_fn = _every_second_mm_contexts
+    elif selective:
         module._ac_context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
     return module
 
@@ -73,7 +92,8 @@ def apply_ac(model: nn.Module, mode: str, every: int = 1) -> list[str]:
     """Checkpoint every ``every``-th block of ``model.layers``; returns the names of those blocks.
 
     ``full`` keeps only each block's input and recomputes the whole block in backward;
-    ``selective`` keeps the matmul and attention outputs and recomputes the cheap ops.
+    ``selective`` keeps the matmul and attention outputs and recomputes the cheap ops;
+    ``selective-op`` recomputes every second matmul as well.
     """
     if mode not in AC_MODES:
         raise ValueError(f"unknown AC mode {mode!r}; choose one of {', '.join(AC_MODES)}")
@@ -82,6 +102,6 @@ def apply_ac(model: nn.Module, mode: str, every: int = 1) -> list[str]:
     done = []
     for i, (name, block) in enumerate(model.layers.items()):
         if i % every == 0:
-            checkpoint_module(block, selective=mode == "selective")
+            checkpoint_module(block, selective=mode if mode.startswith("selective") else False)
             done.append(name)
     return done

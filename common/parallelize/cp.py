@@ -37,8 +37,8 @@ from common.model import ModelConfig, Transformer
 def check_cp(cfg: ModelConfig, cp: int, seq_len: int, load_balance: bool, ac: str = "none"):
     """Refuse a sequence that does not split into equal slices, and selective activation
     checkpointing (before any collective)."""
-    if ac == "selective":
-        raise UserError("--ac selective is not offered with context parallelism: its policy keeps every matmul's "
+    if ac.startswith("selective"):
+        raise UserError(f"--ac {ac} is not offered with context parallelism: its policy keeps every matmul's "
                         "output, and inside the ring's attention those are each step's (seq/cp)^2 scores; use --ac "
                         "full.")
     chunks = 2 * cp if load_balance else cp

@@ -19,7 +19,8 @@ except ImportError:  # pragma: no cover - older torch
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
-               cpu_offload: bool = False, ignored_params: set | None = None) -> torch.nn.Module:
+               cpu_offload: bool = False, ignored_params: set | None = None,
+               split_root: bool = False) -> torch.nn.Module:
     """FSDP2 on every transformer block, then on the root (call it on a meta-device model).
 
     - mesh 1-D: full sharding over its ranks. mesh 2-D (replicate, shard): HSDP, each
@@ -33,6 +34,13 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
     - cpu_offload: keep shards, gradients and the optimizer step on the host.
     - ignored_params: parameters FSDP leaves alone (expert parallelism's experts, which
       each rank holds whole for its own experts).
+    - split_root: the embedding, and the final norm with the output layer, in units of
+      their own (torchtitan's wrapping) instead of in the root unit, which FSDP keeps
+      gathered from the first forward to the end of backward. The embedding is then
+      gathered only while it runs; the head stays gathered from its forward to its
+      backward (backward needs it at once), and its gradients are reduce-scattered as soon
+      as backward leaves it, not at the very end. With Llama 3's 128K vocabulary each of
+      the two is the size of two or three blocks.
     - an already tensor-parallel model (parameters are DTensors on a TP mesh) is sharded
       further (2-D): both meshes must be slices of one parent mesh.
     """
@@ -53,6 +61,12 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
     for block in layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     offload_policy=offload, **({"ignored_params": ignored_params} if ignored_params else {}))
+    if split_root and getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    if split_root and getattr(model, "output", None) is not None:
+        head = [m for m in (model.norm, model.output) if m is not None]
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     # The root takes what no block owns (embedding, final norm, output). Every parameter
     # must be in some unit with the policy, or fp32 weights meet bf16 activations. Its
     # output_dtype hands fp32 logits to the loss. reshard_after_forward is left to FSDP,

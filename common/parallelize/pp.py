@@ -50,8 +50,8 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
         raise UserError(f"--compile with --schedule {schedule}: the schedule splits each backward into an input "
                         f"half and a weight half, which PyTorch's pipelining cannot do through a compiled stage; "
                         f"drop --compile or use gpipe, 1f1b or interleaved1f1b.")
-    if ac == "selective" and schedule in V_SCHEDULES:  # and so does selective checkpointing, mid-step
-        raise UserError(f"--ac selective with --schedule {schedule}: selective checkpointing lets each region run "
+    if ac.startswith("selective") and schedule in V_SCHEDULES:  # and so does selective checkpointing, mid-step
+        raise UserError(f"--ac {ac} with --schedule {schedule}: selective checkpointing lets each region run "
                         f"backward once, and the schedule runs it twice (input half, then weight half); use --ac "
                         f"full or another schedule.")
     n_stages = pp * STAGES_PER_RANK[schedule]
