@@ -18,7 +18,8 @@ it tells us when it is freed. Each storage is then put in one category:
 
 The phase of each op is known without the training loop's help: backward ops run inside
 an autograd graph task, optimizer ops between the optimizer's step hooks, and the rest is
-forward. The x axis of the figure counts allocation and free events, like
+forward, except what names its own phase (gradient clipping, between backward and the
+optimizer step: ``named_phase``). The x axis of the figure counts allocation and free events, like
 pytorch.org/memory_viz, so the picture is the same on a fast GPU and a slow CPU.
 
 On CUDA the allocator's own history is recorded too (one pickle per rank, to open at
@@ -62,7 +63,23 @@ def categories(*traces) -> tuple[str, ...]:
 def stack_order(*traces) -> tuple[str, ...]:
     """STACK_ORDER, then the extra categories these traces hold (on top)."""
     return STACK_ORDER + categories(*traces)[len(CATEGORIES):]
-PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "optimizer": "#404040"}
+PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "clipping": "#8172B3", "optimizer": "#404040"}
+ALLOCATOR_COLOR = "#B8860B"  # the allocator's peak, drawn as a line beside the traced curve
+
+# A phase the code names itself (``with named_phase("clipping"):``): outside backward and the
+# optimizer step an op is forward by default, and gradient clipping, which runs between the
+# two, would be drawn as an unlabelled second forward.
+_NAMED: list[str] = []
+
+
+@contextlib.contextmanager
+def named_phase(name: str):
+    """Ops run inside are drawn as phase ``name`` by any recording tracer (a no-op otherwise)."""
+    _NAMED.append(name)
+    try:
+        yield
+    finally:
+        _NAMED.pop()
 _SCANNED = CATEGORIES[:3]  # categories found by walking the model and the optimizer
 
 
@@ -384,7 +401,7 @@ class MemoryTracer:
         elif torch._C._current_graph_task_id() != -1:
             phase = "backward"
         else:
-            phase = "forward"
+            phase = _NAMED[-1] if _NAMED else "forward"
         self._set_phase(phase)
         if self._watched:
             self._check_watched()
@@ -439,6 +456,17 @@ class MemoryTracer:
         """
         if not self.enabled:
             return None
+        say = getattr(ctx, "print", print) if getattr(ctx, "is_main", True) else (lambda *_: None)
+        last = self.start + self.steps - 1
+        if self.active:  # the window reaches past the run's last step: keep the steps that ran
+            done = [s for _, s in self.step_marks]
+            self._end()
+            say(f"memory trace: steps {self.start}-{last} were asked for (--trace-start {self.start}, --trace-steps "
+                f"{self.steps}) but the run ended at step {done[-1]}; the trace holds step"
+                f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}.")
+        elif self.result is None:
+            say(f"memory trace: nothing recorded, the run never reached step {self.start} (--trace-start); "
+                f"lower --trace-start or train longer to see its memory.")
         out_dir = Path(out_dir)
         if self._cuda_snapshot is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -487,65 +515,101 @@ def fmt_bytes(n: float, spec: str = ".2f") -> str:
     return f"{n / scale:{spec}} {unit}"
 
 
-def render(traces: list[dict], path, title: str, ymax: float | None = None):
+def render(traces: list[dict], path, title: str, ymax: float | None = None) -> list[dict]:
     """A stacked-area figure, one panel per rank, phases shaded, the peak annotated.
 
     All panels share one y scale (the highest peak, or ``ymax``), so several runs' traces
     can be compared by eye; a trace's ``label`` key, if any, names its panel, and its
     ``other_ranks`` key, if any (traces of the same run's other ranks), adds each of those
     ranks' total as a line over the stacked areas (tools/compare.py draws runs this way).
+    The allocator's own peak over the same steps, where it was measured, is a dashed line:
+    the gap between it and the traced curve is memory the trace does not see.
+
+    Returns each panel's layout in pixels ({"box", "peak", "label", "allocator"}: the "at
+    the peak" box, the peak marker, its label and the allocator line's height, None without
+    one), for the tests: the box never covers the marker.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    peak = max([t["peak_bytes"] for t in traces] + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
+    def allocator(t):
+        return t.get("allocator_peak_bytes") or 0
+
+    peak = max([max(t["peak_bytes"], allocator(t)) for t in traces]
+               + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
     order = stack_order(*traces)
     top = ymax or peak
     scale, unit = byte_unit(top)
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
+    panels = []
     for ax, t in zip(axes[:, 0], traces):
         s = t["series"]
         x = np.asarray(s["event"])
         ys = [np.asarray(s.get(c, np.zeros(len(x)))) / scale for c in order]
         ax.stackplot(x, ys, colors=[COLORS[c] for c in order], step="post", linewidth=0)
         end = t["events"] - 1
+        for o in t.get("other_ranks", ()):
+            end = max(end, o["events"] - 1)
+        pk, pe = t["peak_bytes"], t["peak_event"]
+        # The box goes to the half of the panel away from the peak, so it never hides it.
+        box_right = pe < 0.5 * end
         for o, ls in zip(t.get("other_ranks", ()), ("-", "--", "-.", ":") * 64):
             so = o["series"]
             ax.plot(so["event"], np.sum([so[c] for c in categories(o)], axis=0) / scale, color="k", linewidth=0.9,
                     linestyle=ls, drawstyle="steps-post", label=f"rank {o['rank']} total", alpha=0.75)
-            end = max(end, o["events"] - 1)
         if t.get("other_ranks"):
-            ax.legend(loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.86))
+            ax.legend(loc="upper left" if box_right else "upper right", fontsize=7, frameon=False,
+                      bbox_to_anchor=(0, 0.86) if box_right else (1, 0.86))
         spans = t["phases"] + [(end, None)]
         for (a, ph), (b, _) in zip(spans[:-1], spans[1:]):
             if ph is None:
                 continue
-            ax.axvspan(a, b, ymin=0.955, ymax=1.0, color=PHASE_COLORS[ph], linewidth=0)
+            ax.axvspan(a, b, ymin=0.955, ymax=1.0, color=PHASE_COLORS.get(ph, "#404040"), linewidth=0)
             if b - a > 0.06 * end:
                 ax.text((a + b) / 2, 0.977, ph, transform=ax.get_xaxis_transform(), fontsize=7, ha="center",
-                        va="center", color="white" if ph != "forward" else "black")
+                        va="center", color="white" if ph not in ("forward",) else "black")
         for ev, step in t["steps"]:
             ax.axvline(ev, color="k", linestyle=":", linewidth=0.8)
             ax.text(ev, 0.93, f" step {step}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
-        pk, pe = t["peak_bytes"], t["peak_event"]
-        ax.plot([pe], [pk / scale], marker="v", color="k", markersize=6)
-        ax.text(pe, pk / scale, f" peak {fmt_bytes(pk)}", fontsize=8, va="bottom")
+        alloc = allocator(t)
+        alloc_line = ax.axhline(alloc / scale, color=ALLOCATOR_COLOR, linestyle="--", linewidth=1.2) if alloc else None
+        (marker,) = ax.plot([pe], [pk / scale], marker="v", color="k", markersize=6)
+        label = ax.text(pe, pk / scale, f" peak {fmt_bytes(pk)}", fontsize=8, va="bottom",
+                        ha="left" if box_right else "right")
         lines = [f"at the peak ({fmt_bytes(pk)}):"] + [f"{c}: {fmt_bytes(b)}" for c, b in t["at_peak"].items() if b]
-        if t.get("allocator_peak_bytes"):
-            lines.append(f"CUDA allocator peak: {fmt_bytes(t['allocator_peak_bytes'])}")
-        ax.text(0.995, 0.9, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=8,
-                bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
+        if alloc:
+            lines.append(f"allocator's peak (dashed): {fmt_bytes(alloc)}, traced / allocator {pk / alloc:.3f}")
+        box = ax.text(0.995 if box_right else 0.005, 0.9, "\n".join(lines), transform=ax.transAxes,
+                      ha="right" if box_right else "left", va="top", fontsize=8,
+                      bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
         ax.set_xlim(0, end)
         ax.set_ylim(0, top / scale * 1.25)
         ax.set_ylabel(f"live memory ({unit})")
-        label = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
-        ax.set_title(label, fontsize=9, loc="left")
+        name = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
+        ax.set_title(name, fontsize=9, loc="left")
+        panels.append((box, marker, label, ax, alloc_line))
     axes[-1, 0].set_xlabel("allocation / free events")
     handles = [Patch(color=COLORS[c], label=c) for c in reversed(order)]
-    fig.legend(handles=handles, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
+    if any(allocator(t) for t in traces):
+        handles.append(Line2D([], [], color=ALLOCATOR_COLOR, linestyle="--", label="allocator's peak"))
+    # The phase bands along the top, every phase named (a short one, like clipping, has no room for its name)
+    seen = {ph for t in traces for _, ph in t["phases"] if ph}
+    handles += [Patch(color=c, label=f"{ph} (band)") for ph, c in PHASE_COLORS.items() if ph in seen]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 if len(traces) > 1 else 0.1, 1, 0.97))
+    rows = -(-len(handles) // 6)
+    fig.tight_layout(rect=(0, (0.06 if len(traces) > 1 else 0.1) * (1 + 0.5 * (rows - 1)), 1, 0.97))
     fig.savefig(path, dpi=110)
+    renderer = fig.canvas.get_renderer()
+    layout = []
+    for box, marker, label, ax, line in panels:
+        mx, my = ax.transData.transform(marker.get_xydata()[0])
+        layout.append({"box": box.get_bbox_patch().get_window_extent(renderer).extents.tolist(),
+                       "peak": [float(mx), float(my)],
+                       "label": label.get_window_extent(renderer).extents.tolist(),
+                       "allocator": None if line is None else float(ax.transData.transform((0, line.get_ydata()[0]))[1])})
     plt.close(fig)
+    return layout
