@@ -54,6 +54,8 @@ EXTRA_CATEGORIES = (STAGING,)
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#8172B3"}
 STACK_ORDER = ("parameters", "optimizer state", "gradients", "activations", "other")  # persistent at the bottom
+# Not a category of the trace: what the allocator held beyond it (CUDA), drawn hatched on top
+UNSEEN = "not seen by the trace"
 
 
 def categories(*traces) -> tuple[str, ...]:
@@ -168,6 +170,82 @@ class StepCollector:
             self.enabled = False
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Hide what C++ writes to stderr meanwhile (the profiler's start and stop lines, and
+    its one warning that blocks from before it started are freed unseen: expected here)."""
+    import os
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _AllocatorView:
+    """The allocator's own count over the recorded steps, to hold the trace to.
+
+    CUDA: the caching allocator's counters (``memory_allocated``, its peak per recorded
+    step), read at every event of the trace as well, so that what it holds and the trace
+    does not see is drawn. CPU: PyTorch's CPU allocator keeps no count unless the profiler
+    asks it to (``profile_memory``): the profiler runs over the recorded steps only and
+    reports every allocation and free the steps make; the peak is the model state the
+    tracer found at the start plus the highest running sum of those. Blocks from before
+    the steps that the tracer does not know (the data set's tensor, say) are in neither.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self.start_bytes = None  # CUDA: allocated when the window began
+        self._prof = None
+
+    def begin(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            before = torch.empty(16)
+            with _quiet_stderr():
+                self._prof.__enter__()
+                del before  # the allocator's warning about a block from before the profiler: said here, unseen
+
+    def step_begin(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_end(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+
+    def now(self) -> int | None:
+        """What the allocator holds now, where reading it costs nothing (CUDA)."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def end(self, seeded: int) -> int:
+        if self._prof is not None:
+            with _quiet_stderr():
+                self._prof.__exit__(None, None, None)
+            running, top = 0, 0
+            cpu = torch._C._autograd.DeviceType.CPU
+            events = [e for e in self._prof.profiler.kineto_results.events()
+                      if e.name() == "[memory]" and e.device_type() == cpu]
+            for e in sorted(events, key=lambda e: e.start_ns()):
+                running += e.nbytes()
+                top = max(top, running)
+            self._prof = None
+            self.peak = seeded + top
+        return self.peak
+
+
 class _Record:
     __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref")
 
@@ -229,6 +307,8 @@ class MemoryTracer:
         # CUDA, backward's in autograd's device thread, which is then the one recording.)
         self._thread = threading.main_thread()
         self._freed_elsewhere: list = []
+        self._allocator = None  # _AllocatorView, while recording
+        self._samples: list[tuple[int, int]] = []  # (event, bytes the CUDA allocator held then)
 
     # ---- what the training loop calls -------------------------------------------------
     def will_record(self, step: int) -> bool:
@@ -242,6 +322,7 @@ class MemoryTracer:
         if not self.active:
             self._begin()
         self.step_marks.append((self._t, step))
+        self._allocator.step_begin()
         # Traced steps run eagerly, on purpose: dynamo cannot run compiled code under a
         # TorchDispatchMode, and when it meets one it gives up on the frame for good, so
         # every later step of a --compile run ran eagerly too. The "force_eager" stance
@@ -249,6 +330,7 @@ class MemoryTracer:
         with _eager(), self._mode:
             yield
         self._set_phase(None)
+        self._allocator.step_end()
         if step == self.start + self.steps - 1:
             self._end()
 
@@ -297,6 +379,8 @@ class MemoryTracer:
             if hasattr(torch.cuda.memory, "_record_memory_history"):
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
                 self._cuda_history = True
+        self._allocator = _AllocatorView(self.device)
+        self._allocator.begin()
         # Everything alive now (weights, optimizer state, buffers) enters at t = 0.
         for cat, tensors in [*self._scanned_tensors(), ("other", _plain_tensors(
                 [b for m in self.models for b in m.buffers()]))]:
@@ -318,10 +402,8 @@ class MemoryTracer:
             rec.ref = None  # stop listening for frees
         self._live.clear()
         self._watched.clear()
-        allocator_peak = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            allocator_peak = torch.cuda.max_memory_allocated(self.device)
+        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
+        allocator_peak = self._allocator.end(seeded)
         if self._cuda_history:
             # Take the allocator's history now and stop recording: left on, it records a
             # stack trace for every allocation of every later step (compiled steps ran 2.3x
@@ -335,6 +417,8 @@ class MemoryTracer:
         self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
                                                    if self.device.type == "cuda" else None)
         self._records.clear()
+        self._samples.clear()
+        self._allocator = None
 
     def _scanned_tensors(self):
         params = [p for m in self.models for p in m.parameters()]
@@ -424,6 +508,13 @@ class MemoryTracer:
         if rec is not None and self.active:
             rec.free = self._t
             self._t += 1
+            self._sample()
+
+    def _sample(self):
+        """What the CUDA allocator holds after the newest event (nothing to read on a CPU: _AllocatorView)."""
+        held = self._allocator.now() if self._allocator is not None else None
+        if held is not None and self._t > 0:
+            self._samples.append((self._t - 1, held))
 
     def _optimizer_pre(self, *_):
         self._scan()  # backward is over: gradients are in p.grad now
@@ -473,6 +564,7 @@ class MemoryTracer:
             for t in new:
                 if _storage_key(t) not in aliased:
                     self._track(t)
+            self._sample()
 
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
@@ -491,6 +583,8 @@ class MemoryTracer:
         # The model state when it is complete: the last optimizer step about to begin.
         opt_start = [t for t, ph in self.phases if ph == "optimizer"]
         before_opt = max(opt_start[-1] - 1, 0) if opt_start else None
+        series = _downsample(live, peak_at, cats)
+        unseen = self._unseen(total, series["event"])
         return {
             "device": str(self.device),
             "events": n,
@@ -503,8 +597,30 @@ class MemoryTracer:
             "allocator_peak_bytes": allocator_peak,
             "phases": self.phases,
             "steps": self.step_marks,
-            "series": _downsample(live, peak_at, cats),
+            "series": series | ({UNSEEN: unseen.pop("series")} if unseen else {}),
+            **({"unseen": unseen} if unseen else {}),
         }
+
+    def _unseen(self, total: np.ndarray, events: list[int]) -> dict | None:
+        """CUDA: what the allocator held beyond the traced total at each event (memory the
+        trace does not see: blocks alive before the window that are no parameter, gradient,
+        optimizer state or buffer, communication buffers, a kernel's workspace...), with the
+        part alive when the window began. None on a CPU (see _AllocatorView)."""
+        view = self._allocator
+        if view is None or view.start_bytes is None:
+            return None
+        n = len(total)
+        held = np.full(n, -1, dtype=np.int64)
+        held[0] = view.start_bytes
+        for t, b in self._samples:
+            if 0 <= t < n:
+                held[t] = b
+        have = np.where(held >= 0, np.arange(n), 0)
+        held = held[np.maximum.accumulate(have)]  # each event: the newest reading at or before it
+        gap = np.maximum(held - total, 0)
+        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
+        return {"alive_before_bytes": max(view.start_bytes - seeded, 0), "at_peak": int(gap[int(total.argmax())]),
+                "max_bytes": int(gap.max()), "series": gap[np.asarray(events)].tolist()}
 
     # ---- output -------------------------------------------------------------------------
     def save(self, out_dir, ctx, title: str, ymax: float | None = None, name: str = "memory_trace"):
@@ -610,6 +726,10 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
         x = np.asarray(s["event"])
         ys = [np.asarray(s.get(c, np.zeros(len(x)))) / scale for c in order]
         ax.stackplot(x, ys, colors=[COLORS[c] for c in order], step="post", linewidth=0)
+        if UNSEEN in s:  # what the allocator held beyond the trace (CUDA), hatched on top of it
+            base = np.sum(ys, axis=0)
+            ax.fill_between(x, base, base + np.asarray(s[UNSEEN]) / scale, step="post", facecolor="none",
+                            hatch="////", edgecolor=ALLOCATOR_COLOR, linewidth=0)
         end = t["events"] - 1
         for o in t.get("other_ranks", ()):
             end = max(end, o["events"] - 1)
@@ -642,6 +762,10 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
         lines = [f"at the peak ({fmt_bytes(pk)}):"] + [f"{c}: {fmt_bytes(b)}" for c, b in t["at_peak"].items() if b]
         if alloc:
             lines.append(f"allocator's peak (dashed): {fmt_bytes(alloc)}, traced / allocator {pk / alloc:.3f}")
+        if t.get("unseen"):
+            u = t["unseen"]
+            lines.append(f"{UNSEEN} (hatched): {fmt_bytes(u['at_peak'])} here, {fmt_bytes(u['max_bytes'])} at most; "
+                         f"alive before the step: {fmt_bytes(u['alive_before_bytes'])}")
         box = ax.text(0.995 if box_right else 0.005, 0.9, "\n".join(lines), transform=ax.transAxes,
                       ha="right" if box_right else "left", va="top", fontsize=8,
                       bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
@@ -655,6 +779,8 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
     handles = [Patch(color=COLORS[c], label=c) for c in reversed(order)]
     if any(allocator(t) for t in traces):
         handles.append(Line2D([], [], color=ALLOCATOR_COLOR, linestyle="--", label="allocator's peak"))
+    if any(UNSEEN in t["series"] for t in traces):
+        handles.append(Patch(facecolor="none", hatch="////", edgecolor=ALLOCATOR_COLOR, label=UNSEEN))
     # The phase bands along the top, every phase named (a short one, like clipping, has no room for its name)
     seen = {ph for t in traces for _, ph in t["phases"] if ph}
     handles += [Patch(color=c, label=f"{ph} (band)") for ph, c in PHASE_COLORS.items() if ph in seen]
