@@ -158,7 +158,8 @@ class StepCollector:
             found = gc.collect()
         finally:
             gc.set_debug(flags)
-        nbytes = _storage_bytes([o for o in gc.garbage if isinstance(o, torch.Tensor)])
+        # (by type, not isinstance: a dead weakref.proxy among them raises when asked its class)
+        nbytes = _storage_bytes([o for o in gc.garbage if issubclass(type(o), torch.Tensor)])
         gc.garbage.clear()
         gc.collect()  # now free them
         self.objects.append(found)
