@@ -37,6 +37,7 @@ import gc
 import json
 import pickle
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -152,6 +153,7 @@ class StepCollector:
     def collect(self):
         if not self.enabled:
             return
+        started = time.perf_counter()
         flags = gc.get_debug()
         gc.set_debug(flags | gc.DEBUG_SAVEALL)  # keep what it finds in gc.garbage, to look at
         try:
@@ -164,6 +166,11 @@ class StepCollector:
         gc.collect()  # now free them
         self.objects.append(found)
         self.tensor_bytes.append(nbytes)
+        if time.perf_counter() - started > 0.002:
+            # Many new objects that live on (torch.compile's graphs and guards, made in the first
+            # step): freeze them too, so that the collections stay cheap. A step's cycles that are
+            # alive just now would be frozen with them; this happens once or twice a run.
+            gc.freeze()
 
     def close(self):
         if self.enabled:
