@@ -727,7 +727,7 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
     order = stack_order(*traces)
     top = ymax or peak
     scale, unit = byte_unit(top)
-    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12.5, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
     panels = []
     for ax, t in zip(axes[:, 0], traces):
         s = t["series"]
@@ -742,15 +742,15 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
         for o in t.get("other_ranks", ()):
             end = max(end, o["events"] - 1)
         pk, pe = t["peak_bytes"], t["peak_event"]
-        # The box goes to the half of the panel away from the peak, so it never hides it.
+        # The "at the peak" box stands beside the panel, where it hides nothing (inside, a box
+        # away from the peak covered the other step's peak); the peak's label faces the roomier side.
         box_right = pe < 0.5 * end
         for o, ls in zip(t.get("other_ranks", ()), ("-", "--", "-.", ":") * 64):
             so = o["series"]
             ax.plot(so["event"], np.sum([so[c] for c in categories(o)], axis=0) / scale, color="k", linewidth=0.9,
                     linestyle=ls, drawstyle="steps-post", label=f"rank {o['rank']} total", alpha=0.75)
         if t.get("other_ranks"):
-            ax.legend(loc="upper left" if box_right else "upper right", fontsize=7, frameon=False,
-                      bbox_to_anchor=(0, 0.86) if box_right else (1, 0.86))
+            ax.legend(loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.86))
         spans = t["phases"] + [(end, None)]
         for (a, ph), (b, _) in zip(spans[:-1], spans[1:]):
             if ph is None:
@@ -769,13 +769,12 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
                         ha="left" if box_right else "right")
         lines = [f"at the peak ({fmt_bytes(pk)}):"] + [f"{c}: {fmt_bytes(b)}" for c, b in t["at_peak"].items() if b]
         if alloc:
-            lines.append(f"allocator's peak (dashed): {fmt_bytes(alloc)}, traced / allocator {pk / alloc:.3f}")
+            lines += [f"allocator's peak (dashed): {fmt_bytes(alloc)}", f"traced / allocator: {pk / alloc:.3f}"]
         if t.get("unseen"):
             u = t["unseen"]
-            lines.append(f"{UNSEEN} (hatched): {fmt_bytes(u['at_peak'])} here, {fmt_bytes(u['max_bytes'])} at most; "
-                         f"alive before the step: {fmt_bytes(u['alive_before_bytes'])}")
-        box = ax.text(0.995 if box_right else 0.005, 0.9, "\n".join(lines), transform=ax.transAxes,
-                      ha="right" if box_right else "left", va="top", fontsize=8,
+            lines += [f"{UNSEEN} (hatched):", f"  {fmt_bytes(u['at_peak'])} here, {fmt_bytes(u['max_bytes'])} at most,",
+                      f"  {fmt_bytes(u['alive_before_bytes'])} alive before the step"]
+        box = ax.text(1.01, 1.0, "\n".join(lines), transform=ax.transAxes, ha="left", va="top", fontsize=8,
                       bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
         ax.set_xlim(0, end)
         ax.set_ylim(0, top / scale * 1.25)
