@@ -80,6 +80,10 @@ CHECKS = [
           toy=False),
     Check("02_amp_sac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective"]),
     Check("02_amp_ac", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full"], figure="02_memory_trace_amp_ac"),
+    # the first step traced: nothing of an earlier step can be alive in it. Beside 02_amp_ac (steps
+    # 1-2 traced) it says whether an allocator/trace gap under eager AC is carried from step to step
+    Check("02_amp_ac_first", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full", "--trace-start", "0",
+                                                     "--trace-steps", "1"], toy=False),
     Check("02_amp_sac_compile", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "selective", "--compile"],
           toy=False),
     Check("02_amp_ac_compile", S2 + "train_amp_ac.py", ["--amp", "bf16", "--ac", "full", "--compile"], toy=False),
