@@ -230,7 +230,8 @@ def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     of the case where there is one: the peaks within 1%."""
     ratios = [m["peak_bytes"] / m["allocator_peak_bytes"] for m in runs[n][name]["summary"]["memory"]]
     ratios += [m["peak_bytes"] / m["allocator_peak_bytes"] for m in dry[name]["memory"]] if name in DRY else []
-    assert all(abs(x - 1) <= 0.01 for x in ratios) != (name in EP_MISSES), [round(x, 4) for x in ratios]
+    # a listed miss is allowed, not required: some of its ratios sit near 0.99
+    assert name in EP_MISSES or all(abs(x - 1) <= 0.01 for x in ratios), [round(x, 4) for x in ratios]
 
 
 @pytest.mark.parametrize("n,name", ERR, ids=[f"{n}ranks-{name}" for n, name in ERR])

@@ -135,7 +135,7 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     ratios = {r["name"]: round(r["traced_peak_bytes"] / r["allocator_peak_bytes"], 4)
               for r in report["runs"] if r["traced_peak_bytes"]}
     off = {n: x for n, x in ratios.items() if abs(x - 1) > 0.01}
-    assert off.keys() == GPU_CHECK_CPU_MISSES, (off, ratios)
+    assert off.keys() <= GPU_CHECK_CPU_MISSES, (off, ratios)  # (a listed miss near 0.99 may pass on a run)
     assert all(r.get("cycle_tensor_bytes_max") == 0 for r in report["runs"] if r["ok"])  # nothing held by a cycle
 
 
