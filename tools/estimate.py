@@ -541,9 +541,10 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
     print(f"  {'fits' if fits else 'does NOT fit'} in {memory_text(gpu_mem, headroom)} per GPU "
           f"(formula peak {fmt_bytes(est['peak'])}"
           + "".join(f", {name} peak {fmt_bytes(m['peak'])}" for name, m in measured) + ")")
-    if dry and dry.get("allocator_peak") is not None:
-        print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated, "
-              f"{fmt_bytes(dry['allocator_reserved'])} reserved")
+    if dry and dry.get("allocator_peak") is not None:  # (a CPU's allocator reserves nothing beyond: no count)
+        reserved = dry.get("allocator_reserved")
+        print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated"
+              + (f", {fmt_bytes(reserved)} reserved" if reserved is not None else ""))
     sent = sum(v for k, v in est["comm"].items() if k != "recv")
     if est["comm"]:
         print("  sent per step per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est["comm"].items())
