@@ -15,6 +15,8 @@ What it drives, each living in its own module:
 - ``MemoryTracer`` (common/measure/memory.py): the categorised timeline of a few steps;
 - ``CommCounter`` (common/measure/comm.py): bytes by collective, per optimizer step;
 - ``Metrics`` (common/measure/metrics.py): step time, tokens/s, MFU, the files in --out;
+- ``StepCollector`` (common/measure/memory.py): Python's cycle collector before every step, and
+  the tensors it found (none, unless something keeps a step's tensors in a reference cycle);
 - ``theory.report`` (common/measure/theory.py): the formulas beside the measurement.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from common.distributed import launch_hint
 from common.errors import UserError
 from common.measure import theory
 from common.measure.comm import CommCounter, print_comm
-from common.measure.memory import MemoryTracer
+from common.measure.memory import MemoryTracer, StepCollector, fmt_bytes
 from common.measure.metrics import Metrics
 from common.measure.profile import Profile, profile_steps
 from common.training import optimizer_kernels
@@ -97,6 +99,9 @@ class Run:
             raise UserError(f"--profile needs a step after the first that is not memory-traced or byte-counted; "
                             f"train longer than --steps {args.steps}, or pass --no-trace-memory.")
         self.profile = Profile(steps, ctx.device, enabled=args.profile)
+        # Reference cycles freed before every step, not whenever Python's collector happens to
+        # run: what one step leaves in a cycle (tensors too) never reaches the next step's peak.
+        self.gc = StepCollector()
 
     def steps(self):
         """The step numbers still to run, with the progress bar (rank 0)."""
@@ -136,6 +141,7 @@ class Run:
     @contextlib.contextmanager
     def step(self, step: int):
         """Trace the step's memory and count its bytes, if it is one of the steps for that."""
+        self.gc.collect()  # before the tracer starts: the traced step, too, begins with nothing left over
         count = self.counts_comm(step)
         self.comm_steps += count
         with self.tracer.record(step), (self.comm if count else contextlib.nullcontext()), \
@@ -203,6 +209,15 @@ class Run:
         if self.strategy:
             extra |= {"strategy": self.strategy, "predicted": predicted}
         extra = {"lesson": self.lesson, "optimizer_kernels": self.optimizer_kernels, **extra}
+        # Per step (from the run's first): objects the cycle collector found, and the bytes of the
+        # tensors among them, which would otherwise have lived on until Python collected by itself
+        extra |= {"gc": {"unreachable_objects": self.gc.objects, "tensor_bytes": self.gc.tensor_bytes}}
+        held = [(self.start + i, b) for i, b in enumerate(self.gc.tensor_bytes) if b]
+        if held:
+            ctx.print(f"reference cycles held {fmt_bytes(max(b for _, b in held))} of tensors at most from one step "
+                      f"to the next (freed before steps {', '.join(str(s) for s, _ in held[:8])}"
+                      f"{' ...' if len(held) > 8 else ''}); summary.json's gc says how much before each step.")
+        self.gc.close()
         if ctx.fake:  # one rank of the layout, alone: memory and bytes real, losses not
             extra |= {"dry_run": {"rank": ctx.rank, "world_size": ctx.world_size}}
         summary = self.metrics.finish(memory, val_loss=val_loss, comm=comm, said=said, **extra)

@@ -260,6 +260,7 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     ``local``: the wrong way, for the lesson: each rank clips by the norm of what it holds.
     """
     from common.measure.comm import purpose  # the byte counts show the norm's traffic apart
+    from common.measure.memory import named_phase  # the memory trace draws it as its own phase
 
     params = list(params)
     # The sum starts on the parameters' device even where no gradient is there to tell it:
@@ -270,8 +271,8 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     for p in params:  # one group per kind of gradient: plain, or DTensor on a mesh with placements
         key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p)
-    squares = torch.zeros((), device=device)
-    with purpose("grad norm"):
+    with purpose("grad norm"), named_phase("clipping"):
+        squares = torch.zeros((), device=device)
         for group in groups.values():
             grads = [p.grad.to_local() if local and isinstance(p.grad, DTensor) else p.grad for p in group]
             norm = torch.nn.utils.get_total_norm(grads, 2.0)

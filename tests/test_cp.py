@@ -197,6 +197,21 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, name):
         assert {k: v["bytes"] for k, v in got["comm"][0].items()} == predict(plan_of(n, name), r)["comm"]
 
 
+# traced case -> the ratios (real ranks, then dry runs) where the trace misses allocator memory:
+# the ring's blocks in flight through gloo (issue 43 item 2, open)
+CP_MISSES = {"cp2": "0.855 on every rank", "cp4": "0.844 on every rank", "cp2x2_fsdp": "0.90-0.98, its dry run 1.00"}
+
+
+@pytest.mark.parametrize("n,name", TRACED_CASES, ids=[f"{n}ranks-{name}" for n, name in TRACED_CASES])
+def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
+    """The trace held to the CPU allocator's own count, every rank of the ring and its dry
+    runs: the peaks within 1%."""
+    ratios = [m["peak_bytes"] / m["allocator_peak_bytes"] for m in runs[n]["results"][name]["summary"]["memory"]]
+    ratios += [m["peak_bytes"] / m["allocator_peak_bytes"] for r in DRY[name][1] for m in dry[f"{name}_rank{r}"]["memory"]]
+    # a listed miss is allowed, not required: some of its ratios sit near 0.99
+    assert name in CP_MISSES or all(abs(x - 1) <= 0.01 for x in ratios), [round(x, 4) for x in ratios]
+
+
 def test_bad_sequence_length_is_one_sentence_on_every_rank(runs):
     expected = CASES[4][-1]["error"]
     ranks = {0: runs[4]["results"]["err_cp_seq"]} | {r: got["err_cp_seq"] for r, got in runs[4]["others"].items()}

@@ -1,4 +1,5 @@
 import json
+import weakref
 from types import SimpleNamespace
 
 import matplotlib.image
@@ -6,13 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from common.measure.memory import MemoryTracer
+from common.measure.memory import MemoryTracer, StepCollector, render
 from common.model import build_model, count_params, get_config
+from common.training import clip_grad_norm
 
 CTX = SimpleNamespace(rank=0, world_size=1, is_main=True)
 
 
-def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None, between=None):
+def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None, between=None, clip=False):
     torch.manual_seed(0)
     cfg = get_config("debug")
     model = build_model(cfg, "cpu", seed=0)
@@ -27,6 +29,8 @@ def _train(batch=4, seq=32, steps=3, enabled=True, start=1, n=1, seen_modes=None
             x, y = data[step, :, :-1], data[step, :, 1:]
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
+            if clip:
+                clip_grad_norm(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -49,12 +53,13 @@ def test_model_state_bytes_are_exactly_the_formula():
 
 
 def test_phases_are_marked_in_order():
-    tracer, *_ = _train(n=2)
+    tracer, *_ = _train(n=2, clip=True)
     phases = [p for _, p in tracer.result["phases"] if p]
-    assert phases == ["forward", "backward", "optimizer"] * 2
+    # clipping, between backward and the optimizer step, is a phase of its own, not a second forward
+    assert phases == ["forward", "backward", "clipping", "optimizer"] * 2
     assert [s for _, s in tracer.result["steps"]] == [1, 2]
     # the peak of a plain step falls at the end of forward / start of backward
-    fwd_start, bwd_start, opt_start = (e for e, p in tracer.result["phases"][:3])
+    fwd_start, opt_start = (next(e for e, p in tracer.result["phases"] if p == name) for name in ("forward", "optimizer"))
     assert fwd_start < tracer.result["peak_event"] <= opt_start
 
 
@@ -132,3 +137,51 @@ def test_a_checkpoint_host_copy_is_its_own_category_freed_by_its_writer_thread(t
     traces = tracer.save(tmp_path, CTX, title="test")
     assert set(traces[0]["series"]) == {"event", *CATEGORIES, STAGING}
     assert (tmp_path / "memory_trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _overlap(a, b, margin=0.0):
+    return a[0] - margin < b[2] and b[0] - margin < a[2] and a[1] - margin < b[3] and b[1] - margin < a[3]
+
+
+def test_the_box_never_hides_the_peak_and_the_allocator_peak_is_a_line(tmp_path):
+    trace = dict(_train(n=2, clip=True)[0].result, rank=0)
+    end = trace["events"] - 1
+    for at in (int(0.1 * end), int(0.5 * end), int(0.97 * end)):  # a peak on the left, in the middle, on the right
+        t = dict(trace, peak_event=at, allocator_peak_bytes=int(trace["peak_bytes"] * 1.2))
+        (panel,) = render([t], tmp_path / f"at{at}.png", title="box")
+        x, y = panel["peak"]
+        assert not _overlap(panel["box"], [x, y, x, y], margin=6), (at, panel)
+        assert not _overlap(panel["box"], panel["label"]), (at, panel)
+        assert panel["allocator"] is not None and panel["allocator"] > y  # drawn above the traced peak
+    (panel,) = render([dict(trace, allocator_peak_bytes=None)], tmp_path / "none.png", title="no allocator peak")
+    assert panel["allocator"] is None
+
+
+def test_a_window_reaching_past_the_last_step_keeps_the_steps_that_ran(tmp_path):
+    said = []
+    tracer, *_ = _train(steps=2, start=1, n=2)  # asks for steps 1-2 of a run whose last step is 1
+    assert tracer.result is None  # (still recording when the loop ended)
+    traces = tracer.save(tmp_path, SimpleNamespace(rank=0, world_size=1, is_main=True, print=said.append), "past")
+    assert [s for _, s in traces[0]["steps"]] == [1] and traces[0]["peak_bytes"] > 0
+    assert (tmp_path / "memory_trace.png").exists()
+    assert len(said) == 1 and "ended at step 1" in said[0] and "holds step 1" in said[0]
+
+
+def test_the_step_collector_finds_tensors_held_by_a_reference_cycle():
+    class Ring:
+        pass
+
+    collector = StepCollector()
+    try:
+        collector.collect()
+        ring = Ring()
+        ring.me, ring.t = ring, torch.zeros(1000)  # 4000 bytes only a cycle holds, once the name goes
+        ring.proxy = weakref.proxy(Ring())  # a dead proxy in the garbage, as torch.compile leaves them
+        del ring
+        collector.collect()
+        _train(steps=2, enabled=False)  # a plain training loop leaves no tensor in a cycle
+        collector.collect()
+    finally:
+        collector.close()
+    assert collector.tensor_bytes == [0, 4000, 0]
+    assert collector.objects[1] >= 2  # the ring and the tensor (and its __dict__ where it is an object)

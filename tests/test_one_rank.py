@@ -100,6 +100,15 @@ def test_every_step3_script_trains_what_step1_trains_under_plain_python(launches
     _same_losses(out, name, "step1", 4, "plain python")
 
 
+# The runs whose trace misses part of what the CPU allocator counts (ratios measured here): one
+# rank under torchrun of DDP, ZeRO-1 and CP 0.885, of TP, TP+SP and 2-D 0.958; the dry runs of
+# 4 of DDP and CP 0.836, of FSDP, 3-D and the pipeline 0.987-0.988 (issue 43 item 2, open).
+# Step 1, every step-2 saver, FSDP, the pipeline, 3-D and EP on one rank, and the dry runs of
+# TP, 2-D and EP agree within 1%.
+GPU_CHECK_CPU_MISSES = {"03_ddp", "03_zero1", "03_cp", "03_tp", "03_tp_sp", "03_2d", "03_dry4_ddp", "03_dry4_cp",
+                        "03_dry4_fsdp", "03_dry4_3d", "03_dry4_pp"}
+
+
 def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_step1(launches):
     code, log, _ = launches["gpu_check"]
     assert code == 0, log[-3000:]
@@ -125,6 +134,13 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
         assert all(devices == ["cpu"] for devices in seen.values()), (name, seen)
         summary = json.loads((runs / f"03_dry4_{name}" / "summary.json").read_text())
         assert summary["dry_run"] == {"rank": 0, "world_size": 4}
+    # every run's trace against the CPU allocator's count of the same steps: within 1%, but for
+    # the layouts whose collectives make buffers the trace cannot see (issue 43 item 2, open)
+    ratios = {r["name"]: round(r["traced_peak_bytes"] / r["allocator_peak_bytes"], 4)
+              for r in report["runs"] if r["traced_peak_bytes"]}
+    off = {n: x for n, x in ratios.items() if abs(x - 1) > 0.01}
+    assert off.keys() <= GPU_CHECK_CPU_MISSES, (off, ratios)  # (a listed miss near 0.99 may pass on a run)
+    assert all(r.get("cycle_tensor_bytes_max") == 0 for r in report["runs"] if r["ok"])  # nothing held by a cycle
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_sentence():

@@ -60,6 +60,9 @@ def test_training_lowers_the_loss_and_writes_every_output(runs):
     assert summary["mfu"] is None  # CPU: no made-up peak
     mem = summary["memory"][0]["peak_by_category"]
     assert mem["parameters"] == 4 * n and mem["gradients"] == 4 * n
+    # the trace held to the CPU allocator's own count of the traced steps
+    assert summary["memory"][0]["peak_bytes"] / summary["memory"][0]["allocator_peak_bytes"] == pytest.approx(1, abs=0.01)
+    assert summary["gc"]["tensor_bytes"] == [0] * 12  # no step left a tensor in a reference cycle
     assert (out / "memory_trace.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "memory_trace.json").exists()
     assert "step/s" in results["python"][2] or "it/s" in results["python"][2] or "s/step" in results["python"][2]

@@ -51,7 +51,9 @@ class RunResult:
     def trace(self) -> dict:
         """Rank 0's memory timeline."""
         if not self.traces:
-            raise UserError(f"{self.folder} has no memory_trace.json; rerun without --no-trace-memory.")
+            raise UserError(f"{self.folder} has no memory_trace.json: its run recorded no memory (it ran with "
+                            f"--no-trace-memory, or ended before its --trace-start step); rerun it with the trace on "
+                            f"(the default) and a --trace-start before its last step.")
         return self.traces[0]
 
     @classmethod
@@ -145,7 +147,9 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
     peaks = [r.peaks for r in runs]
     if any(not p for p in peaks):
         missing = [r.folder for r, p in zip(runs, peaks) if not p]
-        raise UserError(f"{missing[0]} recorded no memory; rerun without --no-trace-memory.")
+        raise UserError(f"{missing[0]} recorded no memory (its run had --no-trace-memory, or ended before its "
+                        f"--trace-start step); rerun it with the trace on (the default) and a --trace-start before "
+                        f"its last step.")
     top = max(m["peak_bytes"] for p in peaks for m in p)
     scale, unit = byte_unit(top)
     widest = max(len(p) for p in peaks)

@@ -613,9 +613,10 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
         cpu = predict(replace(p, device="cpu"), est["rank"])
         print(f"  the trace runs the CPU's kernels; the formula with them: activations {gib(cpu['activations'])}, "
               f"peak {gib(cpu['peak'])} {UNIT[1]} (trace/formula {traced['peak'] / cpu['peak']:.3f})")
-    if dry and dry.get("allocator_peak") is not None:
-        print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated, "
-              f"{fmt_bytes(dry['allocator_reserved'])} reserved")
+    if dry and dry.get("allocator_peak") is not None:  # (a CPU's allocator reserves nothing beyond: no count)
+        reserved = dry.get("allocator_reserved")
+        print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated"
+              + (f", {fmt_bytes(reserved)} reserved" if reserved is not None else ""))
     if saved := saver_savings(p, est["rank"]):
         print("  the savers' share of the formula's peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in saved.items()))
     sent = sum(v for k, v in est["comm"].items() if k != "recv")

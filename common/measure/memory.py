@@ -18,7 +18,8 @@ it tells us when it is freed. Each storage is then put in one category:
 
 The phase of each op is known without the training loop's help: backward ops run inside
 an autograd graph task, optimizer ops between the optimizer's step hooks, and the rest is
-forward. The x axis of the figure counts allocation and free events, like
+forward, except what names its own phase (gradient clipping, between backward and the
+optimizer step: ``named_phase``). The x axis of the figure counts allocation and free events, like
 pytorch.org/memory_viz, so the picture is the same on a fast GPU and a slow CPU.
 
 On CUDA the allocator's own history is recorded too (one pickle per rank, to open at
@@ -32,9 +33,11 @@ mislabels optimizer temporaries.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import pickle
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -52,6 +55,8 @@ EXTRA_CATEGORIES = (STAGING,)
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#8172B3"}
 STACK_ORDER = ("parameters", "optimizer state", "gradients", "activations", "other")  # persistent at the bottom
+# Not a category of the trace: what the allocator held beyond it (CUDA), drawn hatched on top
+UNSEEN = "not seen by the trace"
 
 
 def categories(*traces) -> tuple[str, ...]:
@@ -62,7 +67,23 @@ def categories(*traces) -> tuple[str, ...]:
 def stack_order(*traces) -> tuple[str, ...]:
     """STACK_ORDER, then the extra categories these traces hold (on top)."""
     return STACK_ORDER + categories(*traces)[len(CATEGORIES):]
-PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "optimizer": "#404040"}
+PHASE_COLORS = {"forward": "#D9D9D9", "backward": "#969696", "clipping": "#8172B3", "optimizer": "#404040"}
+ALLOCATOR_COLOR = "#B8860B"  # the allocator's peak, drawn as a line beside the traced curve
+
+# A phase the code names itself (``with named_phase("clipping"):``): outside backward and the
+# optimizer step an op is forward by default, and gradient clipping, which runs between the
+# two, would be drawn as an unlabelled second forward.
+_NAMED: list[str] = []
+
+
+@contextlib.contextmanager
+def named_phase(name: str):
+    """Ops run inside are drawn as phase ``name`` by any recording tracer (a no-op otherwise)."""
+    _NAMED.append(name)
+    try:
+        yield
+    finally:
+        _NAMED.pop()
 _SCANNED = CATEGORIES[:3]  # categories found by walking the model and the optimizer
 
 
@@ -89,6 +110,148 @@ def _eager():
     """torch.compile'd code runs eagerly inside (torch >= 2.6; a no-op before)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def _storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind ``tensors`` (meta tensors hold none)."""
+    storages = {}
+    for t in _plain_tensors(tensors):
+        if t.is_meta:
+            continue
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        storages[st._cdata] = st.nbytes()
+    return sum(storages.values())
+
+
+class StepCollector:
+    """Python's cycle collector, run before every step over what the steps made, counting the
+    tensors that only it could free.
+
+    Objects that refer to each other in a ring (a reference cycle: a closure and the object
+    that holds it, an exception's traceback and the frames it names) are not freed when the
+    last name for them goes, only when Python's cycle collector runs. That collector runs by
+    itself after some hundreds of new container objects, and a training step makes few: a
+    ring holding tensors would keep them for several steps, GPU memory included (torchtitan
+    switches the automatic collection off and collects every N steps for this reason). Here
+    everything that exists when the run starts (torch's modules, the model, the optimizer)
+    is frozen out of collection (``gc.freeze``), so a full collection before each step looks
+    only at what the steps made: a fraction of a millisecond. Whatever tensors it finds in
+    rings are counted (``tensor_bytes``, one entry per step), then freed: 0 on every step is
+    the sign that nothing of one step outlives it unless a collector runs.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.objects: list[int] = []       # unreachable objects the collection found, per step
+        self.tensor_bytes: list[int] = []  # bytes of the tensor storages among them, per step
+        if enabled:
+            gc.freeze()
+
+    def collect(self):
+        if not self.enabled:
+            return
+        started = time.perf_counter()
+        flags = gc.get_debug()
+        gc.set_debug(flags | gc.DEBUG_SAVEALL)  # keep what it finds in gc.garbage, to look at
+        try:
+            found = gc.collect()
+        finally:
+            gc.set_debug(flags)
+        # (by type, not isinstance: a dead weakref.proxy among them raises when asked its class)
+        nbytes = _storage_bytes([o for o in gc.garbage if issubclass(type(o), torch.Tensor)])
+        gc.garbage.clear()
+        gc.collect()  # now free them
+        self.objects.append(found)
+        self.tensor_bytes.append(nbytes)
+        if time.perf_counter() - started > 0.002:
+            # Many new objects that live on (torch.compile's graphs and guards, made in the first
+            # step): freeze them too, so that the collections stay cheap. A step's cycles that are
+            # alive just now would be frozen with them; this happens once or twice a run.
+            gc.freeze()
+
+    def close(self):
+        if self.enabled:
+            gc.unfreeze()
+            self.enabled = False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Hide what C++ writes to stderr meanwhile (the profiler's start and stop lines, and
+    its one warning that blocks from before it started are freed unseen: expected here)."""
+    import os
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _AllocatorView:
+    """The allocator's own count over the recorded steps, to hold the trace to.
+
+    CUDA: the caching allocator's counters (``memory_allocated``, its peak per recorded
+    step), read at every event of the trace as well, so that what it holds and the trace
+    does not see is drawn. CPU: PyTorch's CPU allocator keeps no count unless the profiler
+    asks it to (``profile_memory``): the profiler runs over the recorded steps only and
+    reports every allocation and free the steps make; the peak is the model state the
+    tracer found at the start plus the highest running sum of those. Blocks from before
+    the steps that the tracer does not know (the data set's tensor, say) are in neither.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self.start_bytes = None  # CUDA: allocated when the window began
+        self._prof = None
+
+    def begin(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            before = torch.empty(16)
+            with _quiet_stderr():
+                self._prof.__enter__()
+                del before  # the allocator's warning about a block from before the profiler: said here, unseen
+
+    def step_begin(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_end(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+
+    def now(self) -> int | None:
+        """What the allocator holds now, where reading it costs nothing (CUDA)."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def end(self, seeded: int) -> int:
+        if self._prof is not None:
+            with _quiet_stderr():
+                self._prof.__exit__(None, None, None)
+            running, top = 0, 0
+            cpu = torch._C._autograd.DeviceType.CPU
+            events = [e for e in self._prof.profiler.kineto_results.events()
+                      if e.name() == "[memory]" and e.device_type() == cpu]
+            for e in sorted(events, key=lambda e: e.start_ns()):
+                running += e.nbytes()
+                top = max(top, running)
+            self._prof = None
+            self.peak = seeded + top
+        return self.peak
 
 
 class _Record:
@@ -152,6 +315,8 @@ class MemoryTracer:
         # CUDA, backward's in autograd's device thread, which is then the one recording.)
         self._thread = threading.main_thread()
         self._freed_elsewhere: list = []
+        self._allocator = None  # _AllocatorView, while recording
+        self._samples: list[tuple[int, int]] = []  # (event, bytes the CUDA allocator held then)
 
     # ---- what the training loop calls -------------------------------------------------
     def will_record(self, step: int) -> bool:
@@ -165,6 +330,7 @@ class MemoryTracer:
         if not self.active:
             self._begin()
         self.step_marks.append((self._t, step))
+        self._allocator.step_begin()
         # Traced steps run eagerly, on purpose: dynamo cannot run compiled code under a
         # TorchDispatchMode, and when it meets one it gives up on the frame for good, so
         # every later step of a --compile run ran eagerly too. The "force_eager" stance
@@ -172,6 +338,7 @@ class MemoryTracer:
         with _eager(), self._mode:
             yield
         self._set_phase(None)
+        self._allocator.step_end()
         if step == self.start + self.steps - 1:
             self._end()
 
@@ -220,6 +387,8 @@ class MemoryTracer:
             if hasattr(torch.cuda.memory, "_record_memory_history"):
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
                 self._cuda_history = True
+        self._allocator = _AllocatorView(self.device)
+        self._allocator.begin()
         # Everything alive now (weights, optimizer state, buffers) enters at t = 0.
         for cat, tensors in [*self._scanned_tensors(), ("other", _plain_tensors(
                 [b for m in self.models for b in m.buffers()]))]:
@@ -241,10 +410,8 @@ class MemoryTracer:
             rec.ref = None  # stop listening for frees
         self._live.clear()
         self._watched.clear()
-        allocator_peak = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            allocator_peak = torch.cuda.max_memory_allocated(self.device)
+        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
+        allocator_peak = self._allocator.end(seeded)
         if self._cuda_history:
             # Take the allocator's history now and stop recording: left on, it records a
             # stack trace for every allocation of every later step (compiled steps ran 2.3x
@@ -258,6 +425,8 @@ class MemoryTracer:
         self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
                                                    if self.device.type == "cuda" else None)
         self._records.clear()
+        self._samples.clear()
+        self._allocator = None
 
     def _scanned_tensors(self):
         params = [p for m in self.models for p in m.parameters()]
@@ -347,6 +516,13 @@ class MemoryTracer:
         if rec is not None and self.active:
             rec.free = self._t
             self._t += 1
+            self._sample()
+
+    def _sample(self):
+        """What the CUDA allocator holds after the newest event (nothing to read on a CPU: _AllocatorView)."""
+        held = self._allocator.now() if self._allocator is not None else None
+        if held is not None and self._t > 0:
+            self._samples.append((self._t - 1, held))
 
     def _optimizer_pre(self, *_):
         self._scan()  # backward is over: gradients are in p.grad now
@@ -384,7 +560,7 @@ class MemoryTracer:
         elif torch._C._current_graph_task_id() != -1:
             phase = "backward"
         else:
-            phase = "forward"
+            phase = _NAMED[-1] if _NAMED else "forward"
         self._set_phase(phase)
         if self._watched:
             self._check_watched()
@@ -396,6 +572,7 @@ class MemoryTracer:
             for t in new:
                 if _storage_key(t) not in aliased:
                     self._track(t)
+            self._sample()
 
     # ---- the result ---------------------------------------------------------------------
     def _timeline(self, end: int, allocator_peak) -> dict:
@@ -414,6 +591,8 @@ class MemoryTracer:
         # The model state when it is complete: the last optimizer step about to begin.
         opt_start = [t for t, ph in self.phases if ph == "optimizer"]
         before_opt = max(opt_start[-1] - 1, 0) if opt_start else None
+        series = _downsample(live, peak_at, cats)
+        unseen = self._unseen(total, series["event"])
         return {
             "device": str(self.device),
             "events": n,
@@ -426,8 +605,30 @@ class MemoryTracer:
             "allocator_peak_bytes": allocator_peak,
             "phases": self.phases,
             "steps": self.step_marks,
-            "series": _downsample(live, peak_at, cats),
+            "series": series | ({UNSEEN: unseen.pop("series")} if unseen else {}),
+            **({"unseen": unseen} if unseen else {}),
         }
+
+    def _unseen(self, total: np.ndarray, events: list[int]) -> dict | None:
+        """CUDA: what the allocator held beyond the traced total at each event (memory the
+        trace does not see: blocks alive before the window that are no parameter, gradient,
+        optimizer state or buffer, communication buffers, a kernel's workspace...), with the
+        part alive when the window began. None on a CPU (see _AllocatorView)."""
+        view = self._allocator
+        if view is None or view.start_bytes is None:
+            return None
+        n = len(total)
+        held = np.full(n, -1, dtype=np.int64)
+        held[0] = view.start_bytes
+        for t, b in self._samples:
+            if 0 <= t < n:
+                held[t] = b
+        have = np.where(held >= 0, np.arange(n), 0)
+        held = held[np.maximum.accumulate(have)]  # each event: the newest reading at or before it
+        gap = np.maximum(held - total, 0)
+        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
+        return {"alive_before_bytes": max(view.start_bytes - seeded, 0), "at_peak": int(gap[int(total.argmax())]),
+                "max_bytes": int(gap.max()), "series": gap[np.asarray(events)].tolist()}
 
     # ---- output -------------------------------------------------------------------------
     def save(self, out_dir, ctx, title: str, ymax: float | None = None, name: str = "memory_trace"):
@@ -439,6 +640,17 @@ class MemoryTracer:
         """
         if not self.enabled:
             return None
+        say = getattr(ctx, "print", print) if getattr(ctx, "is_main", True) else (lambda *_: None)
+        last = self.start + self.steps - 1
+        if self.active:  # the window reaches past the run's last step: keep the steps that ran
+            done = [s for _, s in self.step_marks]
+            self._end()
+            say(f"memory trace: steps {self.start}-{last} were asked for (--trace-start {self.start}, --trace-steps "
+                f"{self.steps}) but the run ended at step {done[-1]}; the trace holds step"
+                f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}.")
+        elif self.result is None:
+            say(f"memory trace: nothing recorded, the run never reached step {self.start} (--trace-start); "
+                f"lower --trace-start or train longer to see its memory.")
         out_dir = Path(out_dir)
         if self._cuda_snapshot is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -487,65 +699,110 @@ def fmt_bytes(n: float, spec: str = ".2f") -> str:
     return f"{n / scale:{spec}} {unit}"
 
 
-def render(traces: list[dict], path, title: str, ymax: float | None = None):
+def render(traces: list[dict], path, title: str, ymax: float | None = None) -> list[dict]:
     """A stacked-area figure, one panel per rank, phases shaded, the peak annotated.
 
     All panels share one y scale (the highest peak, or ``ymax``), so several runs' traces
     can be compared by eye; a trace's ``label`` key, if any, names its panel, and its
     ``other_ranks`` key, if any (traces of the same run's other ranks), adds each of those
     ranks' total as a line over the stacked areas (tools/compare.py draws runs this way).
+    The allocator's own peak over the same steps, where it was measured, is a dashed line:
+    the gap between it and the traced curve is memory the trace does not see.
+
+    Returns each panel's layout in pixels ({"box", "peak", "label", "allocator"}: the "at
+    the peak" box, the peak marker, its label and the allocator line's height, None without
+    one), for the tests: the box never covers the marker.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    peak = max([t["peak_bytes"] for t in traces] + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
+    def allocator(t):
+        return t.get("allocator_peak_bytes") or 0
+
+    peak = max([max(t["peak_bytes"], allocator(t)) for t in traces]
+               + [o["peak_bytes"] for t in traces for o in t.get("other_ranks", ())])
     order = stack_order(*traces)
     top = ymax or peak
     scale, unit = byte_unit(top)
-    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12.5, 2.2 + 2.6 * len(traces)), squeeze=False, sharex=False)
+    panels = []
     for ax, t in zip(axes[:, 0], traces):
         s = t["series"]
         x = np.asarray(s["event"])
         ys = [np.asarray(s.get(c, np.zeros(len(x)))) / scale for c in order]
         ax.stackplot(x, ys, colors=[COLORS[c] for c in order], step="post", linewidth=0)
+        if UNSEEN in s:  # what the allocator held beyond the trace (CUDA), hatched on top of it
+            base = np.sum(ys, axis=0)
+            ax.fill_between(x, base, base + np.asarray(s[UNSEEN]) / scale, step="post", facecolor="none",
+                            hatch="////", edgecolor=ALLOCATOR_COLOR, linewidth=0)
         end = t["events"] - 1
+        for o in t.get("other_ranks", ()):
+            end = max(end, o["events"] - 1)
+        pk, pe = t["peak_bytes"], t["peak_event"]
+        # The "at the peak" box stands beside the panel, where it hides nothing (inside, a box
+        # away from the peak covered the other step's peak); the peak's label faces the roomier side.
+        box_right = pe < 0.5 * end
         for o, ls in zip(t.get("other_ranks", ()), ("-", "--", "-.", ":") * 64):
             so = o["series"]
             ax.plot(so["event"], np.sum([so[c] for c in categories(o)], axis=0) / scale, color="k", linewidth=0.9,
                     linestyle=ls, drawstyle="steps-post", label=f"rank {o['rank']} total", alpha=0.75)
-            end = max(end, o["events"] - 1)
         if t.get("other_ranks"):
             ax.legend(loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.86))
         spans = t["phases"] + [(end, None)]
         for (a, ph), (b, _) in zip(spans[:-1], spans[1:]):
             if ph is None:
                 continue
-            ax.axvspan(a, b, ymin=0.955, ymax=1.0, color=PHASE_COLORS[ph], linewidth=0)
+            ax.axvspan(a, b, ymin=0.955, ymax=1.0, color=PHASE_COLORS.get(ph, "#404040"), linewidth=0)
             if b - a > 0.06 * end:
                 ax.text((a + b) / 2, 0.977, ph, transform=ax.get_xaxis_transform(), fontsize=7, ha="center",
-                        va="center", color="white" if ph != "forward" else "black")
+                        va="center", color="white" if ph not in ("forward",) else "black")
         for ev, step in t["steps"]:
             ax.axvline(ev, color="k", linestyle=":", linewidth=0.8)
             ax.text(ev, 0.93, f" step {step}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
-        pk, pe = t["peak_bytes"], t["peak_event"]
-        ax.plot([pe], [pk / scale], marker="v", color="k", markersize=6)
-        ax.text(pe, pk / scale, f" peak {fmt_bytes(pk)}", fontsize=8, va="bottom")
+        alloc = allocator(t)
+        alloc_line = ax.axhline(alloc / scale, color=ALLOCATOR_COLOR, linestyle="--", linewidth=1.2) if alloc else None
+        (marker,) = ax.plot([pe], [pk / scale], marker="v", color="k", markersize=6)
+        label = ax.text(pe, pk / scale, f" peak {fmt_bytes(pk)}", fontsize=8, va="bottom",
+                        ha="left" if box_right else "right")
         lines = [f"at the peak ({fmt_bytes(pk)}):"] + [f"{c}: {fmt_bytes(b)}" for c, b in t["at_peak"].items() if b]
-        if t.get("allocator_peak_bytes"):
-            lines.append(f"CUDA allocator peak: {fmt_bytes(t['allocator_peak_bytes'])}")
-        ax.text(0.995, 0.9, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=8,
-                bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
+        if alloc:
+            lines += [f"allocator's peak (dashed): {fmt_bytes(alloc)}", f"traced / allocator: {pk / alloc:.3f}"]
+        if t.get("unseen"):
+            u = t["unseen"]
+            lines += [f"{UNSEEN} (hatched):", f"  {fmt_bytes(u['at_peak'])} here, {fmt_bytes(u['max_bytes'])} at most,",
+                      f"  {fmt_bytes(u['alive_before_bytes'])} alive before the step"]
+        box = ax.text(1.01, 1.0, "\n".join(lines), transform=ax.transAxes, ha="left", va="top", fontsize=8,
+                      bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
         ax.set_xlim(0, end)
         ax.set_ylim(0, top / scale * 1.25)
         ax.set_ylabel(f"live memory ({unit})")
-        label = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
-        ax.set_title(label, fontsize=9, loc="left")
+        name = t.get("label") or (f"rank {t['rank']}" if len(traces) > 1 else t["device"])
+        ax.set_title(name, fontsize=9, loc="left")
+        panels.append((box, marker, label, ax, alloc_line))
     axes[-1, 0].set_xlabel("allocation / free events")
     handles = [Patch(color=COLORS[c], label=c) for c in reversed(order)]
-    fig.legend(handles=handles, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
+    if any(allocator(t) for t in traces):
+        handles.append(Line2D([], [], color=ALLOCATOR_COLOR, linestyle="--", label="allocator's peak"))
+    if any(UNSEEN in t["series"] for t in traces):
+        handles.append(Patch(facecolor="none", hatch="////", edgecolor=ALLOCATOR_COLOR, label=UNSEEN))
+    # The phase bands along the top, every phase named (a short one, like clipping, has no room for its name)
+    seen = {ph for t in traces for _, ph in t["phases"] if ph}
+    handles += [Patch(color=c, label=f"{ph} (band)") for ph, c in PHASE_COLORS.items() if ph in seen]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 if len(traces) > 1 else 0.1, 1, 0.97))
+    rows = -(-len(handles) // 6)
+    fig.tight_layout(rect=(0, (0.06 if len(traces) > 1 else 0.1) * (1 + 0.5 * (rows - 1)), 1, 0.97))
     fig.savefig(path, dpi=110)
+    renderer = fig.canvas.get_renderer()
+    layout = []
+    for box, marker, label, ax, line in panels:
+        mx, my = ax.transData.transform(marker.get_xydata()[0])
+        layout.append({"box": box.get_bbox_patch().get_window_extent(renderer).extents.tolist(),
+                       "peak": [float(mx), float(my)],
+                       "label": label.get_window_extent(renderer).extents.tolist(),
+                       "allocator": None if line is None else float(ax.transData.transform((0, line.get_ydata()[0]))[1])})
     plt.close(fig)
+    return layout

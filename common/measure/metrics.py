@@ -295,7 +295,7 @@ class Metrics:
             "peak_mem_source": self.rows[-1]["peak_mem_source"],
             "memory": [{"rank": m["rank"], "peak_bytes": m["peak_bytes"], "at_peak": m["at_peak"],
                         "peak_by_category": m["peak_by_category"],
-                        "allocator_peak_bytes": m["allocator_peak_bytes"],
+                        "allocator_peak_bytes": m["allocator_peak_bytes"], "unseen": m.get("unseen"),
                         "allocator_reserved_bytes": m.get("allocator_reserved_bytes"),
                         "before_optimizer": m.get("before_optimizer")} for m in memory or []],
             **extra,
@@ -327,7 +327,11 @@ class Metrics:
             lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])}, made of " + " + ".join(
                 f"{c} {fmt_bytes(b)}" for c, b in m["at_peak"].items() if b) + " at that moment"))
             if m["allocator_peak_bytes"]:
-                lines.append((f"{who}CUDA allocator peak", fmt_bytes(m["allocator_peak_bytes"])))
+                lines.append((f"{who}allocator peak", f"{fmt_bytes(m['allocator_peak_bytes'])} (traced / allocator "
+                              f"{m['peak_bytes'] / m['allocator_peak_bytes']:.3f})"))
+            if m.get("unseen"):
+                lines.append((f"{who}not seen by the trace", f"{fmt_bytes(m['unseen']['max_bytes'])} at most, "
+                              f"{fmt_bytes(m['unseen']['alive_before_bytes'])} of it alive before the step"))
         width = max(len(k) for k, _ in lines)
         print("\n".join(f"  {k:<{width}}  {v}" for k, v in lines), flush=True)
         for line in said:
