@@ -213,6 +213,9 @@ class _AllocatorView:
         self.start_bytes = None  # CUDA: allocated when the window began
         self._prof = None
 
+    # CUDA path: no CPU test: the CUDA allocator's own counters exist only with a GPU (a CPU reads its allocator
+    # through the profiler, the other branch, which tests/test_step2.py holds to the trace); tools/gpu_check.py
+    # compares the CUDA ones with the trace
     def begin(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -225,10 +228,12 @@ class _AllocatorView:
                 self._prof.__enter__()
                 del before  # the allocator's warning about a block from before the profiler: said here, unseen
 
+    # CUDA path: no CPU test: as in begin()
     def step_begin(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    # CUDA path: no CPU test: as in begin()
     def step_end(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -236,6 +241,7 @@ class _AllocatorView:
 
     def now(self) -> int | None:
         """What the allocator holds now, where reading it costs nothing (CUDA)."""
+        # CUDA path: no CPU test: as in begin()
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def end(self, seeded: int) -> int:
@@ -381,6 +387,8 @@ class MemoryTracer:
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._optimizer_pre))
             self._hooks.append(opt.register_step_post_hook(self._optimizer_post))
+        # CUDA path: no CPU test: the allocator's history (the snapshot pickle) exists only with a GPU;
+        # tools/gpu_check.py writes one per run
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -422,6 +430,8 @@ class MemoryTracer:
         self.result = self._timeline(end, allocator_peak)
         # What the allocator holds from the device, freed blocks it caches included: the
         # number torchtitan logs as "memory", and what decides an out-of-memory error.
+        # CUDA path: no CPU test: reserved memory is the CUDA caching allocator's (a CPU reserves nothing
+        # beyond)
         self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
                                                    if self.device.type == "cuda" else None)
         self._records.clear()
