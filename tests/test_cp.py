@@ -209,7 +209,9 @@ def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     ratios = [m["peak_bytes"] / m["allocator_peak_bytes"] for m in runs[n]["results"][name]["summary"]["memory"]]
     ratios += [m["peak_bytes"] / m["allocator_peak_bytes"] for r in DRY[name][1] for m in dry[f"{name}_rank{r}"]["memory"]]
     # a listed miss is allowed, not required: some of its ratios sit near 0.99
-    assert name in CP_MISSES or all(abs(x - 1) <= 0.01 for x in ratios), [round(x, 4) for x in ratios]
+    # a listed miss is allowed and bounded: the trace sees at least 80% of the allocator's bytes
+    low = 0.80 if name in CP_MISSES else 0.99
+    assert all(low <= x <= 1.01 for x in ratios), [round(x, 4) for x in ratios]
 
 
 def test_bad_sequence_length_is_one_sentence_on_every_rank(runs):

@@ -315,13 +315,12 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
 
 # Where the trace misses part of what the CPU allocator counts (peak ratios measured on
 # this machine): DTensor's collectives under tensor parallelism allocate buffers inside gloo
-# that no op returns, so the tracer never sees them (issue 43 item 2, open). Not strict: the
-# ratios near 0.99 (TP 4, the uneven pipeline's rank 3) pass or miss from one run to the next.
+# that no op returns, so the tracer never sees them (issue 43 item 2, open). Allowed within 5%,
+# not required: the ratios near 0.99 (TP 4, the uneven pipeline's rank 3) pass or miss from one
+# run to the next.
 MISSES = {"tp2": "0.954-0.963", "tp4": "0.980-0.988", "2d": "0.981-0.984", "bf16_3d": "0.981-0.984",
           "pp4_uneven": "rank 3 traces 2% more than the allocator counts"}
-TRACED_CASES = [pytest.param(n, c["name"], id=f"{WORLD[n]}ranks-{c['name']}", marks=[pytest.mark.xfail(
-                    strict=False, reason=f"the trace misses allocator memory: {MISSES[c['name']]}")]
-                    if c["name"] in MISSES else [])
+TRACED_CASES = [pytest.param(n, c["name"], id=f"{WORLD[n]}ranks-{c['name']}")
                 for n, cs in CASES.items() for c in cs if "--trace-start" in c["flags"]]
 
 
@@ -334,9 +333,11 @@ def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     """The trace held to the CPU allocator's own count on every rank of every traced layout
     (TP, pipelines, 2-D, 3-D) and of its dry run: the peaks within 1%."""
     ratios = _allocator_ratios(result(runs, n, name)["summary"])
-    assert len(ratios) == WORLD[n] and all(r == pytest.approx(1, abs=0.01) for r in ratios.values()), ratios
+    # a listed miss is allowed, not required, and bounded: within 1% becomes within 5%
+    slack = 0.05 if name in MISSES else 0.01
+    assert len(ratios) == WORLD[n] and all(r == pytest.approx(1, abs=slack) for r in ratios.values()), ratios
     if name in dry:
-        assert all(r == pytest.approx(1, abs=0.01) for r in _allocator_ratios(dry[name]).values()), name
+        assert all(r == pytest.approx(1, abs=slack) for r in _allocator_ratios(dry[name]).values()), name
 
 
 @pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])
