@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence (default: 2048, or the model's longest where that is shorter)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: bf16 AMP)")
     p.add_argument("--ac", default="all", choices=("all", *AC_MODES),
-                   help="activation checkpointing modes to consider (default: all three)")
+                   help="activation checkpointing modes to consider (default: all of them)")
     p.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                    help="the loss in N chunks of tokens where the script offers it (train_ddp.py, train_fsdp.py; "
                         "default: 1, the plain loss)")
