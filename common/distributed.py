@@ -207,6 +207,13 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
             # on the ranks that did not fail) and just drop the process group.
             if sys.exc_info()[0] is None:
                 with contextlib.suppress(Exception):
+                    # Drain every group first, not only the default one: gloo's barrier waits
+                    # for the work queued before it, and a rank whose peer has left would
+                    # otherwise join its group's threads forever when the last object holding
+                    # the group (DDP's reducer, at the script's return) lets go of it.
+                    for mesh in ctx.meshes.values():
+                        for dim in range(mesh.ndim):
+                            dist.barrier(group=mesh.get_group(dim))
                     dist.barrier()
                 dist.destroy_process_group()
             else:
