@@ -1,4 +1,5 @@
 import json
+import pytest
 import weakref
 from types import SimpleNamespace
 
@@ -185,3 +186,54 @@ def test_the_step_collector_finds_tensors_held_by_a_reference_cycle():
         collector.close()
     assert collector.tensor_bytes == [0, 4000, 0]
     assert collector.objects[1] >= 2  # the ring and the tensor (and its __dict__ where it is an object)
+
+
+def _mem(ts, addr, nbytes, tid=1):
+    return {"ph": "i", "name": "[memory]", "tid": tid, "ts": ts, "args": {"Addr": addr, "Bytes": nbytes, "Device Type": 0}}
+
+
+def test_the_cpu_count_keeps_gloos_buffers_apart_and_survives_frees_it_never_saw():
+    """The CPU allocator's count from a profiler trace (common/measure/memory.py, _cpu_count):
+    a block allocated inside a c10d op is gloo's own (kept out of the peak, its size reported),
+    whether or not its free was seen; a block whose address comes back before its free was
+    seen was freed by a thread the profiler does not record, and leaves the count there."""
+    from common.measure.memory import _cpu_count
+    events = [
+        {"ph": "X", "name": "c10d::_allgather_base_", "tid": 1, "ts": 10, "dur": 5},
+        _mem(1, 0xA, 100),          # an activation
+        _mem(11, 0xB, 400),         # gloo's staging buffer, inside the all-gather
+        _mem(12, 0xB, 400, tid=2),  # (a same-address event on another thread's span: not inside)
+        _mem(20, 0xC, 50),
+        _mem(21, 0xC, -50),
+        _mem(30, 0xA, 70),          # 0xA again, its free never seen: the 100 bytes are gone
+        _mem(31, 0xD, 10),
+    ]
+    top, largest = _cpu_count(events)
+    assert largest == 400
+    # running: 100, (400 kept apart), then 0xB's same-address block on thread 2 replaces gloo's:
+    # +400 -> 500, +50 -> 550 (the peak), -50, then 0xA: -100 +70 -> 470, +10 -> 480
+    assert top == 550
+    assert _cpu_count([_mem(1, 0xA, 100), _mem(2, 0xA, 100), _mem(3, 0xA, 100)]) == (100, 0)
+
+
+def test_a_free_on_another_thread_does_not_inflate_the_cpu_allocator_peak():
+    """What gloo's worker threads do to the count, done by a Python thread: every step, a
+    block the main thread allocated is freed by another thread, which the profiler never
+    records. Without pairing by address the count grew by a block a step."""
+    import threading
+    cfg = get_config("debug")
+    model = build_model(cfg, "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = MemoryTracer(model, opt, "cpu", enabled=True, start=0, steps=4)
+    x = torch.randint(0, 256, (2, 16))
+    for step in range(4):
+        with tracer.record(step):
+            box = [torch.empty(1 << 18)]  # 1 MiB, freed below by another thread
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t = threading.Thread(target=box.clear)
+            t.start()
+            t.join()
+    r = tracer.result
+    assert r["peak_bytes"] / r["allocator_peak_bytes"] == pytest.approx(1, abs=0.01), r["allocator_peak_bytes"]

@@ -205,6 +205,19 @@ class _AllocatorView:
     reports every allocation and free the steps make; the peak is the model state the
     tracer found at the start plus the highest running sum of those. Blocks from before
     the steps that the tracer does not know (the data set's tensor, say) are in neither.
+
+    One thing on a CPU is counted apart: the blocks gloo allocates inside a collective
+    (``c10d::_allgather_base_`` stages the whole gathered output in a buffer of its own,
+    for instance). No op returns them, so the trace cannot see them (NCCL allocates none
+    such through PyTorch); and the profiler records the thread that started it and no
+    other, so when gloo's worker thread drops the last reference, their free never
+    reaches the count, a different number of them each run as the threads race. Every
+    event carries its block's address: the blocks allocated inside a collective are
+    paired with their frees and kept out of the peak, and reported apart as
+    ``collective_bytes`` (the largest such block). A block the trace knows that dies on
+    another thread is told to the count with its address and the time (``freed_elsewhere``:
+    the profiler's own record gives its size), and a block whose address comes back before
+    any free was seen was freed unseen, and leaves the count there.
     """
 
     def __init__(self, device: torch.device):
@@ -212,6 +225,13 @@ class _AllocatorView:
         self.peak = 0
         self.start_bytes = None  # CUDA: allocated when the window began
         self._prof = None
+        self.collective_bytes = None  # CPU: the largest block gloo made inside a collective
+        self._frees_elsewhere: list[tuple[int, int]] = []  # CPU: (time in ns, address)
+
+    def freed_elsewhere(self, address: int):
+        """A block the trace knows died on a thread the profiler does not record."""
+        if self._prof is not None:
+            self._frees_elsewhere.append((time.time_ns(), address))  # (list.append is atomic)
 
     # CUDA path: no CPU test: the CUDA allocator's own counters exist only with a GPU (a CPU reads its allocator
     # through the profiler, the other branch, which tests/test_step2.py holds to the trace); tools/gpu_check.py
@@ -248,23 +268,58 @@ class _AllocatorView:
         if self._prof is not None:
             with _quiet_stderr():
                 self._prof.__exit__(None, None, None)
-            running, top = 0, 0
-            cpu = torch._C._autograd.DeviceType.CPU
-            events = [e for e in self._prof.profiler.kineto_results.events()
-                      if e.name() == "[memory]" and e.device_type() == cpu]
-            for e in sorted(events, key=lambda e: e.start_ns()):
-                running += e.nbytes()
-                top = max(top, running)
+            import tempfile  # (the addresses are in the exported trace only, not in its Python events)
+            with tempfile.TemporaryDirectory() as tmp:
+                self._prof.export_chrome_trace(f"{tmp}/trace.json")
+                trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+            events, base = trace["traceEvents"], trace.get("baseTimeNanoseconds", 0)
+            events += [{"name": "[memory]", "tid": None, "ts": (ns - base) / 1000,
+                        "args": {"Addr": address, "Bytes": 0, "Device Type": 0}}
+                       for ns, address in self._frees_elsewhere]  # (Bytes 0: whatever was there)
             self._prof = None
+            top, self.collective_bytes = _cpu_count(events)
             self.peak = seeded + top
         return self.peak
 
 
-class _Record:
-    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref")
+def _cpu_count(events: list[dict]) -> tuple[int, int]:
+    """The highest running sum of a profiler trace's CPU allocations and frees, the blocks
+    allocated inside a collective left out (see _AllocatorView), and the largest of those."""
+    spans: dict[int, list[tuple[float, float]]] = {}  # thread: (start, end) of each collective op
+    memory = []
+    for e in events:
+        if e.get("ph") == "X" and e["name"].startswith(("c10d::", "gloo:")):
+            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+        elif e.get("name") == "[memory]" and e["args"].get("Device Type") == 0:
+            memory.append(e)
+    memory.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    live: dict[int, tuple[int, bool]] = {}  # address: (bytes, made inside a collective)
+    running = top = largest = 0
+    for e in memory:
+        addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+        if nbytes > 0:
+            old = live.pop(addr, None)
+            if old is not None and not old[1]:
+                running -= old[0]  # freed where the profiler does not look: gone by now
+            inside = any(a <= e["ts"] <= b for a, b in spans.get(e["tid"], ()))
+            live[addr] = (nbytes, inside)
+            if inside:
+                largest = max(largest, nbytes)
+            else:
+                running += nbytes
+                top = max(top, running)
+        else:
+            old = live.pop(addr, None)
+            if old is not None and not old[1]:
+                running -= old[0]
+    return top, largest
 
-    def __init__(self, nbytes, alloc):
-        self.nbytes, self.alloc, self.free = nbytes, alloc, None
+
+class _Record:
+    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address")
+
+    def __init__(self, nbytes, alloc, address=None):
+        self.nbytes, self.alloc, self.free, self.address = nbytes, alloc, None, address
         self.category, self.activation, self.ref = None, False, None
 
 
@@ -306,6 +361,7 @@ class MemoryTracer:
         self._hooks = []
         self._live: dict[int, _Record] = {}
         self._records: list[_Record] = []
+        self._seeded = 0  # bytes alive when recording began (the records made then)
         self._t = 0
         self._phase = None
         self._in_optimizer = False
@@ -404,6 +460,8 @@ class MemoryTracer:
                 rec = self._track(t, preexisting=True)
                 if rec is not None and rec.category is None:
                     rec.category = cat
+        # (what was alive before the window: the first block the window allocates enters at t = 0 too)
+        self._seeded = sum(r.nbytes for r in self._records)
         self._mode = _Mode(self)
 
     def _end(self):
@@ -418,8 +476,7 @@ class MemoryTracer:
             rec.ref = None  # stop listening for frees
         self._live.clear()
         self._watched.clear()
-        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
-        allocator_peak = self._allocator.end(seeded)
+        allocator_peak = self._allocator.end(self._seeded)
         if self._cuda_history:
             # Take the allocator's history now and stop recording: left on, it records a
             # stack trace for every allocation of every later step (compiled steps ran 2.3x
@@ -434,6 +491,7 @@ class MemoryTracer:
         # beyond)
         self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
                                                    if self.device.type == "cuda" else None)
+        self.result["allocator_collective_bytes"] = self._allocator.collective_bytes
         self._records.clear()
         self._samples.clear()
         self._allocator = None
@@ -471,7 +529,7 @@ class MemoryTracer:
         if rec is None:
             if st.nbytes() == 0 and key in self._watched:  # freed in place: holds nothing now
                 return None
-            rec = _Record(st.nbytes(), 0 if preexisting else self._t)
+            rec = _Record(st.nbytes(), 0 if preexisting else self._t, st.data_ptr())
             self._t += 0 if preexisting else 1
             rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
             if key in self._watched:
@@ -501,7 +559,10 @@ class MemoryTracer:
 
     def _on_dead(self, key):
         rec = self._live.get(key)
-        if rec is not None and rec.category == STAGING and threading.current_thread() is not self._thread:
+        elsewhere = threading.current_thread() is not self._thread
+        if rec is not None and elsewhere and self._allocator is not None:
+            self._allocator.freed_elsewhere(rec.address)
+        if rec is not None and rec.category == STAGING and elsewhere:
             self._freed_elsewhere.append(key)  # (list.append is atomic; the counters are not)
             return
         self._watched.pop(key, None)  # its address may be reused by another storage
@@ -636,8 +697,7 @@ class MemoryTracer:
         have = np.where(held >= 0, np.arange(n), 0)
         held = held[np.maximum.accumulate(have)]  # each event: the newest reading at or before it
         gap = np.maximum(held - total, 0)
-        seeded = sum(r.nbytes for r in self._records if r.alloc == 0)
-        return {"alive_before_bytes": max(view.start_bytes - seeded, 0), "at_peak": int(gap[int(total.argmax())]),
+        return {"alive_before_bytes": max(view.start_bytes - self._seeded, 0), "at_peak": int(gap[int(total.argmax())]),
                 "max_bytes": int(gap.max()), "series": gap[np.asarray(events)].tolist()}
 
     # ---- output -------------------------------------------------------------------------

@@ -297,6 +297,7 @@ class Metrics:
                         "peak_by_category": m["peak_by_category"],
                         "allocator_peak_bytes": m["allocator_peak_bytes"], "unseen": m.get("unseen"),
                         "allocator_reserved_bytes": m.get("allocator_reserved_bytes"),
+                        "allocator_collective_bytes": m.get("allocator_collective_bytes"),
                         "before_optimizer": m.get("before_optimizer")} for m in memory or []],
             **extra,
         }
@@ -329,6 +330,9 @@ class Metrics:
             if m["allocator_peak_bytes"]:
                 lines.append((f"{who}allocator peak", f"{fmt_bytes(m['allocator_peak_bytes'])} (traced / allocator "
                               f"{m['peak_bytes'] / m['allocator_peak_bytes']:.3f})"))
+            if m.get("allocator_collective_bytes"):  # (CPU: see common/measure/memory.py, _AllocatorView)
+                lines.append((f"{who}gloo's own buffers", f"up to {fmt_bytes(m['allocator_collective_bytes'])} a "
+                              "collective, outside the trace and the allocator peak (NCCL keeps its own outside PyTorch's allocator)"))
             if m.get("unseen"):
                 lines.append((f"{who}not seen by the trace", f"{fmt_bytes(m['unseen']['max_bytes'])} at most, "
                               f"{fmt_bytes(m['unseen']['alive_before_bytes'])} of it alive before the step"))
