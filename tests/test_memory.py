@@ -194,26 +194,25 @@ def _mem(ts, addr, nbytes, tid=1):
 
 def test_the_cpu_count_keeps_gloos_buffers_apart_and_survives_frees_it_never_saw():
     """The CPU allocator's count from a profiler trace (common/measure/memory.py, _cpu_count):
-    a block allocated inside a c10d op is gloo's own (kept out of the peak, its size reported),
+    a block allocated inside a c10d op, or on another thread (gloo's worker), is gloo's own (kept
+    out of the peak, its size reported),
     whether or not its free was seen; a block whose address comes back before its free was
     seen was freed by a thread the profiler does not record, and leaves the count there."""
     from common.measure.memory import _cpu_count
     events = [
         {"ph": "X", "name": "c10d::_allgather_base_", "tid": 1, "ts": 10, "dur": 5},
+        {"ph": "X", "name": "c10d::send", "tid": 2, "ts": 18, "dur": 5},  # (another thread's: no span)
         _mem(1, 0xA, 100),          # an activation
         _mem(11, 0xB, 400),         # gloo's staging buffer, inside the all-gather
-        _mem(12, 0xB, 400, tid=2),  # (a same-address event on another thread's span: not inside)
-        _mem(20, 0xC, 50),
+        _mem(12, 0xE, 300, tid=2),  # gloo's worker thread: gloo's too
+        _mem(13, 0xE, -300, tid=2),
+        _mem(20, 0xC, 50),          # (inside thread 2's span, but on the main thread)
         _mem(21, 0xC, -50),
         _mem(30, 0xA, 70),          # 0xA again, its free never seen: the 100 bytes are gone
         _mem(31, 0xD, 10),
     ]
-    top, largest = _cpu_count(events)
-    assert largest == 400
-    # running: 100, (400 kept apart), then 0xB's same-address block on thread 2 replaces gloo's:
-    # +400 -> 500, +50 -> 550 (the peak), -50, then 0xA: -100 +70 -> 470, +10 -> 480
-    assert top == 550
-    assert _cpu_count([_mem(1, 0xA, 100), _mem(2, 0xA, 100), _mem(3, 0xA, 100)]) == (100, 0)
+    assert _cpu_count(events, main=1) == (150, 400)  # 100, +50: the peak, -50, -100 +70, +10
+    assert _cpu_count([_mem(1, 0xA, 100), _mem(2, 0xA, 100), _mem(3, 0xA, 100)], main=1) == (100, 0)
 
 
 def test_a_free_on_another_thread_does_not_inflate_the_cpu_allocator_peak():

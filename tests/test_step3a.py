@@ -187,22 +187,27 @@ def test_the_validation_curve_is_the_single_process_one(job):
         assert job[name]["summary"]["val_loss"] == got["3"], name
 
 
-# Traced runs whose trace misses part of what the CPU allocator counts (issue 43 item 2, open)
-# (peaks' ratios measured here: FSDP's all-gathers and reduce-scatters through gloo make
-# buffers inside the collective that no op returns, which the tracer never sees)
-ALLOCATOR_MISSES = {"fsdp_zero3": "0.88-0.99", "fsdp_profile": "0.99", "hsdp": "0.93-0.97", "bf16_ac": "0.90-0.98"}
+# Traced runs whose trace misses part of what the CPU allocator counts, and by how much (the
+# count is deterministic: common/measure/memory.py, _AllocatorView). bf16 + AC: the peak falls
+# inside a backward bf16 matmul, and the CPU's bf16 matmul allocates a workspace of its own
+# (29 KiB here) that no op returns.
+ALLOCATOR_MISSES = {"bf16_ac": 0.9794}
 
 
 def test_every_traced_rank_agrees_with_the_cpu_allocator(job):
     """The trace held to the CPU allocator's own count on every rank of every traced run
-    (DDP, ZeRO-1, FSDP as ZeRO-2 and ZeRO-3, HSDP, bf16 with AC): the peaks within 1%."""
+    (DDP, ZeRO-1, FSDP as ZeRO-2 and ZeRO-3, HSDP, bf16 with AC): the peaks within 1%, a listed
+    miss at its measured ratio on every rank. gloo's all-gather stages the gathered output in
+    a buffer of its own, counted apart: one FSDP unit's gathered bytes."""
     ratios = {name: [round(m["peak_bytes"] / m["allocator_peak_bytes"], 4) for m in run["summary"]["memory"]]
               for name, run in job.items() if isinstance(run, dict) and (run.get("summary") or {}).get("memory")}
     assert ratios
-    off = {n: r for n, r in ratios.items() if any(abs(x - 1) > 0.01 for x in r)}
-    # (the listed misses may pass on a run: some sit near 0.99), and they stay bounded
-    assert not off.keys() - ALLOCATOR_MISSES.keys(), off
-    assert all(0.85 <= x <= 1.01 for r in off.values() for x in r), off
+    for name, r in ratios.items():
+        want = ALLOCATOR_MISSES.get(name, 1.0)
+        assert all(x == pytest.approx(want, abs=0.002 if name in ALLOCATOR_MISSES else 0.01) for x in r), (name, r)
+    gathered = max(unsharded_bytes(CFG, job["world"]).values())
+    for name, run in _runs(job, ["fsdp_zero3", "fsdp_zero2"]):
+        assert [m["allocator_collective_bytes"] for m in run["summary"]["memory"]] == [gathered] * job["world"], name
 
 
 def test_the_trace_has_every_rank(job):

@@ -206,15 +206,15 @@ class _AllocatorView:
     tracer found at the start plus the highest running sum of those. Blocks from before
     the steps that the tracer does not know (the data set's tensor, say) are in neither.
 
-    One thing on a CPU is counted apart: the blocks gloo allocates inside a collective
-    (``c10d::_allgather_base_`` stages the whole gathered output in a buffer of its own,
-    for instance). No op returns them, so the trace cannot see them (NCCL allocates none
-    such through PyTorch); and the profiler records the thread that started it and no
-    other, so when gloo's worker thread drops the last reference, their free never
-    reaches the count, a different number of them each run as the threads race. Every
-    event carries its block's address: the blocks allocated inside a collective are
-    paired with their frees and kept out of the peak, and reported apart as
-    ``collective_bytes`` (the largest such block). A block the trace knows that dies on
+    One thing on a CPU is counted apart: the blocks gloo allocates for a collective, inside
+    the ``c10d::`` op on this thread (``_allgather_base_`` stages the whole gathered output
+    in a buffer of its own) or on gloo's worker threads (which the profiler follows while
+    they run a collective). No op returns them, so the trace cannot see them (NCCL keeps
+    its buffers outside PyTorch's allocator); and a free gloo's worker makes after the
+    collective, once the main thread has dropped the last reference, never reaches the
+    count, a different number of them each run as the threads race. Every event carries
+    its block's address: gloo's blocks are paired with their frees and kept out of the
+    peak, and reported apart as ``collective_bytes`` (the largest such block). A block the trace knows that dies on
     another thread is told to the count with its address and the time (``freed_elsewhere``:
     the profiler's own record gives its size), and a block whose address comes back before
     any free was seen was freed unseen, and leaves the count there.
@@ -243,6 +243,7 @@ class _AllocatorView:
         else:
             from torch.profiler import ProfilerActivity, profile
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._tid = threading.get_native_id()  # (the trace names a thread by its native id)
             before = torch.empty(16)
             with _quiet_stderr():
                 self._prof.__enter__()
@@ -277,19 +278,20 @@ class _AllocatorView:
                         "args": {"Addr": address, "Bytes": 0, "Device Type": 0}}
                        for ns, address in self._frees_elsewhere]  # (Bytes 0: whatever was there)
             self._prof = None
-            top, self.collective_bytes = _cpu_count(events)
+            top, self.collective_bytes = _cpu_count(events, self._tid)
             self.peak = seeded + top
         return self.peak
 
 
-def _cpu_count(events: list[dict]) -> tuple[int, int]:
+def _cpu_count(events: list[dict], main: int) -> tuple[int, int]:
     """The highest running sum of a profiler trace's CPU allocations and frees, the blocks
-    allocated inside a collective left out (see _AllocatorView), and the largest of those."""
-    spans: dict[int, list[tuple[float, float]]] = {}  # thread: (start, end) of each collective op
+    gloo allocates for a collective left out (see _AllocatorView), and the largest of those.
+    ``main``: the thread that ran the steps (its ``tid`` in the trace)."""
+    spans: list[tuple[float, float]] = []  # (start, end) of each c10d op the main thread called
     memory = []
     for e in events:
-        if e.get("ph") == "X" and e["name"].startswith(("c10d::", "gloo:")):
-            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+        if e.get("ph") == "X" and e["tid"] == main and e["name"].startswith("c10d::"):
+            spans.append((e["ts"], e["ts"] + e.get("dur", 0)))
         elif e.get("name") == "[memory]" and e["args"].get("Device Type") == 0:
             memory.append(e)
     memory.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
@@ -301,7 +303,7 @@ def _cpu_count(events: list[dict]) -> tuple[int, int]:
             old = live.pop(addr, None)
             if old is not None and not old[1]:
                 running -= old[0]  # freed where the profiler does not look: gone by now
-            inside = any(a <= e["ts"] <= b for a, b in spans.get(e["tid"], ()))
+            inside = e["tid"] != main or any(a <= e["ts"] <= b for a, b in spans)
             live[addr] = (nbytes, inside)
             if inside:
                 largest = max(largest, nbytes)
