@@ -197,21 +197,21 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, name):
         assert {k: v["bytes"] for k, v in got["comm"][0].items()} == predict(plan_of(n, name), r)["comm"]
 
 
-# traced case -> the ratios (real ranks, then dry runs) where the trace misses allocator memory:
-# the ring's blocks in flight through gloo (issue 43 item 2, open)
-CP_MISSES = {"cp2": "0.855 on every rank", "cp4": "0.844 on every rank", "cp2x2_fsdp": "0.90-0.98, its dry run 1.00"}
+# traced case -> the ratio on every rank and dry run where the trace misses allocator memory, as
+# measured (the count is deterministic: common/measure/memory.py, _AllocatorView). What the ring
+# holds that the trace does not see is not yet named (issue 43); with FSDP over the ring's
+# ranks (cp2x2_fsdp) nothing is missed.
+CP_MISSES = {"cp2": 0.8547, "cp4": 0.8354}
 
 
 @pytest.mark.parametrize("n,name", TRACED_CASES, ids=[f"{n}ranks-{name}" for n, name in TRACED_CASES])
 def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     """The trace held to the CPU allocator's own count, every rank of the ring and its dry
-    runs: the peaks within 1%."""
+    runs: the peaks within 1%, a listed miss at its measured ratio on every one."""
     ratios = [m["peak_bytes"] / m["allocator_peak_bytes"] for m in runs[n]["results"][name]["summary"]["memory"]]
     ratios += [m["peak_bytes"] / m["allocator_peak_bytes"] for r in DRY[name][1] for m in dry[f"{name}_rank{r}"]["memory"]]
-    # a listed miss is allowed, not required: some of its ratios sit near 0.99
-    # a listed miss is allowed and bounded: the trace sees at least 80% of the allocator's bytes
-    low = 0.80 if name in CP_MISSES else 0.99
-    assert all(low <= x <= 1.01 for x in ratios), [round(x, 4) for x in ratios]
+    want, tol = CP_MISSES.get(name, 1.0), 0.002 if name in CP_MISSES else 0.01
+    assert all(x == pytest.approx(want, abs=tol) for x in ratios), [round(x, 4) for x in ratios]
 
 
 def test_bad_sequence_length_is_one_sentence_on_every_rank(runs):

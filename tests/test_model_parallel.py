@@ -313,13 +313,14 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
     check_dry_run(dry[name], result(runs, n, name)["summary"], DRY[(n, name)], WORLD[n], RECEIVED.get(name, 0))
 
 
-# Where the trace misses part of what the CPU allocator counts (peak ratios measured on
-# this machine): DTensor's collectives under tensor parallelism allocate buffers inside gloo
-# that no op returns, so the tracer never sees them (issue 43 item 2, open). Allowed within 5%,
-# not required: the ratios near 0.99 (TP 4, the uneven pipeline's rank 3) pass or miss from one
-# run to the next.
-MISSES = {"tp2": "0.954-0.963", "tp4": "0.980-0.988", "2d": "0.981-0.984", "bf16_3d": "0.981-0.984",
-          "pp4_uneven": "rank 3 traces 2% more than the allocator counts"}
+# Where the trace misses part of what the CPU allocator counts, rank by rank (the dry run plays
+# one of those ranks), as measured: the count is deterministic (common/measure/memory.py,
+# _AllocatorView: gloo's own buffers are counted apart). bf16 3-D: the CPU's bf16 matmul keeps
+# a workspace of its own inside the op. TP 2 on the debug model: the allocator's peak falls in
+# AdamW's step over DTensors and the trace's in the loss backward (what the step holds that the
+# trace does not see is not yet named: issue 43).
+MISSES = {"tp2": [0.9626] * 2, "bf16_3d": [0.9808, 0.9808, 0.9843, 0.9843]}
+KERNEL_CHOICE = {"bf16_3d"}  # (the workspace is the matmul library's choice: within 2% of the measured)
 TRACED_CASES = [pytest.param(n, c["name"], id=f"{WORLD[n]}ranks-{c['name']}")
                 for n, cs in CASES.items() for c in cs if "--trace-start" in c["flags"]]
 
@@ -331,13 +332,14 @@ def _allocator_ratios(summary) -> dict:
 @pytest.mark.parametrize("n,name", TRACED_CASES)
 def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     """The trace held to the CPU allocator's own count on every rank of every traced layout
-    (TP, pipelines, 2-D, 3-D) and of its dry run: the peaks within 1%."""
+    (TP, pipelines, 2-D, 3-D) and of its dry run: the peaks within 1%, a listed miss at its
+    measured ratio."""
     ratios = _allocator_ratios(result(runs, n, name)["summary"])
-    # a listed miss is allowed, not required, and bounded: within 1% becomes within 5%
-    slack = 0.05 if name in MISSES else 0.01
-    assert len(ratios) == WORLD[n] and all(r == pytest.approx(1, abs=slack) for r in ratios.values()), ratios
+    want = MISSES.get(name, [1.0] * WORLD[n])
+    tol = 0.02 if name in KERNEL_CHOICE else 0.002 if name in MISSES else 0.01
+    assert len(ratios) == WORLD[n] and all(ratios[r] == pytest.approx(want[r], abs=tol) for r in ratios), ratios
     if name in dry:
-        assert all(r == pytest.approx(1, abs=slack) for r in _allocator_ratios(dry[name]).values()), name
+        assert all(x == pytest.approx(want[r], abs=tol) for r, x in _allocator_ratios(dry[name]).items()), name
 
 
 @pytest.mark.parametrize("ac,plain", [("tp2_ac", "tp2"), ("pp2_ac", "pp2_1f1b")])

@@ -104,13 +104,15 @@ def test_every_step3_script_trains_what_step1_trains_under_plain_python(launches
     _same_losses(out, name, "step1", 4, "plain python")
 
 
-# The runs whose trace misses part of what the CPU allocator counts (ratios measured here): one
-# rank under torchrun of DDP, ZeRO-1 and CP 0.885, of TP, TP+SP and 2-D 0.958; the dry runs of
-# 4 of DDP and CP 0.836, of FSDP, 3-D and the pipeline 0.987-0.988 (issue 43 item 2, open).
-# Step 1, every step-2 saver, FSDP, the pipeline, 3-D and EP on one rank, and the dry runs of
-# TP, 2-D and EP agree within 1%.
-GPU_CHECK_CPU_MISSES = {"03_ddp", "03_zero1", "03_cp", "03_tp", "03_tp_sp", "03_2d", "03_dry4_ddp", "03_dry4_cp",
-                        "03_dry4_fsdp", "03_dry4_3d", "03_dry4_pp"}
+# The runs whose trace misses part of what the CPU allocator counts, and the ratio measured (the
+# count is deterministic: common/measure/memory.py, _AllocatorView, counts gloo's own buffers
+# apart). One rank under torchrun of DDP, ZeRO-1 and CP, of TP, TP+SP and 2-D; the dry runs of 4
+# of DDP, CP, FSDP, 3-D and the pipeline: what they hold that the trace does not see is not yet
+# named (issue 43). Step 1, every step-2 saver, FSDP, the pipeline, 3-D and EP on one rank, and the
+# dry runs of TP, 2-D and EP agree within 1%.
+GPU_CHECK_CPU_MISSES = {"03_ddp": 0.8834, "03_zero1": 0.8834, "03_cp": 0.8854, "03_tp": 0.9578, "03_tp_sp": 0.9578,
+                        "03_2d": 0.9578, "03_dry4_ddp": 0.8359, "03_dry4_cp": 0.836, "03_dry4_fsdp": 0.9871,
+                        "03_dry4_3d": 0.9875, "03_dry4_pp": 0.9883}
 
 
 def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_step1(launches):
@@ -142,8 +144,10 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     # the layouts whose collectives make buffers the trace cannot see (issue 43 item 2, open)
     ratios = {r["name"]: round(r["traced_peak_bytes"] / r["allocator_peak_bytes"], 4)
               for r in report["runs"] if r["traced_peak_bytes"]}
-    off = {n: x for n, x in ratios.items() if abs(x - 1) > 0.01}
-    assert off.keys() <= GPU_CHECK_CPU_MISSES, (off, ratios)  # (a listed miss near 0.99 may pass on a run)
+    want = {n: GPU_CHECK_CPU_MISSES.get(n, 1.0) for n in ratios}
+    assert ratios.keys() >= GPU_CHECK_CPU_MISSES.keys(), ratios
+    assert all(x == pytest.approx(want[n], abs=0.002 if n in GPU_CHECK_CPU_MISSES else 0.01)
+               for n, x in ratios.items()), {n: (x, want[n]) for n, x in ratios.items() if x != want[n]}
     assert all(r.get("cycle_tensor_bytes_max") == 0 for r in report["runs"] if r["ok"])  # nothing held by a cycle
 
 

@@ -190,8 +190,9 @@ def test_the_validation_curve_is_the_single_process_one(job):
 # Traced runs whose trace misses part of what the CPU allocator counts, and by how much (the
 # count is deterministic: common/measure/memory.py, _AllocatorView). bf16 + AC: the peak falls
 # inside a backward bf16 matmul, and the CPU's bf16 matmul allocates a workspace of its own
-# (29 KiB here) that no op returns.
-ALLOCATOR_MISSES = {"bf16_ac": 0.9794}
+# (29 KiB here, 0.9794 of the allocator's peak on every rank) that no op returns; its size is
+# the CPU's matmul library's choice, so the test allows the trace 96-100% of the count there.
+ALLOCATOR_MISSES = {"bf16_ac": (0.96, 1.0)}
 
 
 def test_every_traced_rank_agrees_with_the_cpu_allocator(job):
@@ -203,8 +204,8 @@ def test_every_traced_rank_agrees_with_the_cpu_allocator(job):
               for name, run in job.items() if isinstance(run, dict) and (run.get("summary") or {}).get("memory")}
     assert ratios
     for name, r in ratios.items():
-        want = ALLOCATOR_MISSES.get(name, 1.0)
-        assert all(x == pytest.approx(want, abs=0.002 if name in ALLOCATOR_MISSES else 0.01) for x in r), (name, r)
+        low, high = ALLOCATOR_MISSES.get(name, (0.99, 1.01))
+        assert all(low <= x <= high for x in r), (name, r)
     gathered = max(unsharded_bytes(CFG, job["world"]).values())
     for name, run in _runs(job, ["fsdp_zero3", "fsdp_zero2"]):
         assert [m["allocator_collective_bytes"] for m in run["summary"]["memory"]] == [gathered] * job["world"], name

@@ -356,6 +356,8 @@ class MemoryTracer:
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.sources = list(sources)
         self._watched: dict[int, tuple[weakref.ref, str]] = {}
+        self._resized = False  # a storage was resized since the watched ones were last looked at
+        self._unpatch = None
         self.device = torch.device(device)
         self.enabled, self.start, self.steps = enabled, start, steps
         self.active = False
@@ -415,6 +417,7 @@ class MemoryTracer:
                     rec.category = category
                     if follow_resizes:
                         self._watched[self._key(t)] = (weakref.ref(t.untyped_storage()), category)
+                        self._resized = True
 
     def staged(self, tensors):
         """The host copy a background checkpoint took of the state (``--ckpt-async``):
@@ -465,6 +468,17 @@ class MemoryTracer:
         # (what was alive before the window: the first block the window allocates enters at t = 0 too)
         self._seeded = sum(r.nbytes for r in self._records)
         self._mode = _Mode(self)
+        # A storage resized in place (FSDP2 gathers into and frees its unsharded parameters
+        # that way) calls no op: the resize itself says so, and the next op looks at the
+        # watched storages (looking at every op cost a quarter of an 8B trace's time).
+        resize, tracer = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, *args, **kwargs):
+            tracer._resized = True
+            return resize(storage, *args, **kwargs)
+
+        torch.UntypedStorage.resize_ = resize_
+        self._unpatch = lambda: setattr(torch.UntypedStorage, "resize_", resize)
 
     def _end(self):
         self._take_frees()
@@ -473,6 +487,9 @@ class MemoryTracer:
             h.remove()
         self._hooks.clear()
         self._until_done.clear()
+        if self._unpatch is not None:
+            self._unpatch()
+            self._unpatch = None
         end = self._t
         for rec in self._live.values():
             rec.ref = None  # stop listening for frees
@@ -635,7 +652,8 @@ class MemoryTracer:
         else:
             phase = _NAMED[-1] if _NAMED else "forward"
         self._set_phase(phase)
-        if self._watched:
+        if self._watched and self._resized:
+            self._resized = False
             self._check_watched()
         new = [t for t in tensors if _storage_key(t) not in self._live]
         if new:
