@@ -220,6 +220,13 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
                 _drop_after_error(backend)
 
 
+def distributed_for(args, **kwargs):
+    """``distributed`` set up from a script's parsed flags: --device, --pg-timeout and, where
+    the script offers a dry run, --fake-world-size and --fake-rank (``kwargs``: the rest)."""
+    return distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=getattr(args, "fake_world_size", None),
+                       fake_rank=getattr(args, "fake_rank", 0), **kwargs)
+
+
 def _drop_after_error(backend: str):
     """The process group of a rank that failed (an out-of-memory error in backward, a check).
 

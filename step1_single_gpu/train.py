@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import main_guard
 from common.model import build_model
 from common.run import Run
@@ -26,7 +26,7 @@ def main():
     p = cli.parser(__doc__)
     cli.add_moe_flags(p)  # it also trains the mixture-of-experts presets (--model small-moe)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed_for(args) as ctx:
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 

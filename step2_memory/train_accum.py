@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import main_guard
 from common.parallelize.ac import apply_ac
 from common.model import build_model
@@ -32,7 +32,7 @@ def main():
     cli.add_ac_flags(p)
     cli.add_accum_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device)
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)

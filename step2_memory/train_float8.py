@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import UserError, main_guard
 from common.model import build_model
 from common.parallelize.float8 import convert_float8, float8_unsupported
@@ -35,7 +35,7 @@ def main():
     if args.amp == "fp16":
         raise UserError("--amp fp16 is not offered with float8: the matmuls already scale their own operands, "
                         "and the rest trains in bf16; use --amp bf16 (the default).")
-    with distributed(args.device, timeout_s=args.pg_timeout) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device)
         why = float8_unsupported(ctx.device)
         if why:

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import UserError, main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
@@ -44,8 +44,7 @@ def main():
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
             raise UserError(f"--dp and --tp must be positive (got --dp {args.dp} --tp {args.tp}).")

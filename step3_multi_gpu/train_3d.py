@@ -14,64 +14,40 @@ links: TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters between th
 of a stage, PP's point-to-point activations between stages. Step 2's savers come along:
 --amp bf16 (the default; FSDP's mixed-precision policy), --ac, --compile, --fused-adamw.
 """
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # find common/
 
 import torch
-import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
-from common.errors import UserError, main_guard
+from common.distributed import distributed_for
+from common.errors import main_guard
 from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
-from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   last_stage_rank, pipeline_loss, pipeline_stages, stage_indices)
+from common.parallelize.pp import (add_3d_flags, build_stage, check_no_accum, check_pp, last_stage_rank, layout_3d,
+                                   loss_fn, make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages,
+                                   stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
 
 
-def default_layout(args, world: int):
-    """Fill in the degrees not given: tp 2, then pp 2, where the ranks left over are
-    even, and dp the rest. 8 ranks: 2 x 2 x 2; 4: pp 2 x tp 2; 1: 1 x 1 x 1."""
-    for dim in ("tp", "pp", "dp"):
-        if getattr(args, dim) is None:
-            left = world // math.prod(d for d in (args.pp, args.dp, args.tp) if d)
-            setattr(args, dim, max(1, left) if dim == "dp" else 2 if left % 2 == 0 else 1)
-
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 @main_guard
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages, the outer dimension (default: from the world size)")
-    p.add_argument("--dp", type=int, default=None, help="FSDP degree, the middle dimension (default: from the world size)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, the inner dimension (default: from the world size)")
-    p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
-    p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and replica (default: 2)")
+    add_3d_flags(p)  # --pp, --dp, --tp (outer to inner), --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
     check_no_accum(args)
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
-        default_layout(args, ctx.world_size)
-        if min(args.pp, args.dp, args.tp) <= 0:
-            raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
-        if args.global_batch_size % args.dp:
-            raise UserError(f"--global-batch-size {args.global_batch_size} does not divide among {args.dp} "
-                            f"data-parallel replicas; use a multiple of {args.dp}.")
+        layout_3d(args, ctx.world_size)  # the degrees not given: tp 2, then pp 2 where they divide, dp the rest
         check_tp(args.model_config, args.tp, args.seq_len, sequence_parallel=False)
         check_pp(args.model_config, args.pp, args.schedule, args.microbatches, args.global_batch_size // args.dp,
                  compile=args.compile, ac=args.ac)
@@ -99,6 +75,7 @@ def main():
                                  group=mesh["pp"].get_group())
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
+        last, pp_group = last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group()  # the loss's stage
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
         # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
@@ -106,9 +83,8 @@ def main():
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
                   title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
                   parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages},
-                  evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
-                                                     last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group(),
-                                                     mesh["dp"].get_group(), dp_rank, args.dp, stages=stages))
+                  evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, last,
+                                                     pp_group, mesh["dp"].get_group(), dp_rank, args.dp, stages=stages))
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -118,13 +94,11 @@ def main():
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
                 # Each stage holds other layers: their sums of squares add up along the pipeline.
                 grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
-                                           pp_group=mesh["pp"].get_group(), local=args.clip_by == "local")
+                                           pp_group=pp_group, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss, shared along the pipeline, then averaged over the replicas.
-            loss = global_loss(pipeline_loss(losses, last_stage_rank(args.pp, args.schedule), ctx.device,
-                                             mesh["pp"].get_group()),
-                               mesh["dp"].get_group(), args.dp)
+            loss = global_loss(pipeline_loss(losses, last, ctx.device, pp_group), mesh["dp"].get_group(), args.dp)
             run.log(step, loss, grad_norm=grad_norm)
 
         run.finish(schedule=args.schedule, microbatches=args.microbatches,

@@ -17,7 +17,6 @@ autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-acc
 A dry run (python step3_multi_gpu/train_cp.py --fake-world-size 8 --fake-rank R) plays one
 rank alone: the ring's blocks have fixed sizes, so its memory and bytes are that rank's.
 """
-import argparse
 import contextlib
 import os
 import sys
@@ -30,12 +29,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
-from common.errors import UserError, main_guard
+from common.distributed import distributed_for
+from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.comm_hooks import register_comm_hook
-from common.parallelize.cp import apply_cp, check_cp, cp_degree, cp_evaluate, local_tokens
+from common.parallelize.cp import (add_cp_flags, apply_cp, check_cp, cp_degree, cp_evaluate, cp_title, local_tokens,
+                                   refuse_cp_compile)
 from common.parallelize.ddp import ddp_no_buffer_sync
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
@@ -45,24 +45,12 @@ from common.training import adamw, clip_grad_norm, global_loss, lr_schedule, mic
 @main_guard
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--load-balance", action=argparse.BooleanOptionalAction, default=True,
-                   help="give each rank an early and a late chunk of the sequence, so that the causal mask "
-                        "leaves every rank the same work (default: on)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel groups: the batch is split over dp groups, each sharing its sequences over "
-                        "world/dp ranks (default: 1)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and AdamW state over every rank with FSDP (torchtitan's layout) "
-                        "instead of keeping them whole on each")
+    add_cp_flags(p)  # --no-load-balance, --dp, --fsdp
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    if args.compile:
-        raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
-                        "receives inside every block's attention, and compiling around that is not tested here; "
-                        "drop --compile.")
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    refuse_cp_compile(args)  # the ring sends and receives inside every block's attention
+    with distributed_for(args) as ctx:
         cp = cp_degree(ctx.world_size, args.dp)
         cli.check_memory_savers(args, ctx.device, dp_size=args.dp, fp16=False)
         check_cp(args.model_config, cp, args.seq_len, args.load_balance, args.ac)
@@ -89,19 +77,15 @@ def main():
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
-                  parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp),
-                  title=f"Context parallel {cp}" + (" (load-balanced)" if args.load_balance else "")
-                  + (f" x {args.dp} data-parallel groups" if args.dp > 1 else "") + (", FSDP" if args.fsdp else ""),
+                  parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp), title=cp_title(args, cp),
                   evaluate=lambda: cp_evaluate(model, corpus.val, args, ctx.device, ring))
         batches = iter(data)
-
         for step in run.steps():
             with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    # this rank's tokens: the inputs and their targets at the same positions
-                    x, y = (local_tokens(t, ring).to(ctx.device, non_blocking=True) for t in (x, y))
+                    x, y = (local_tokens(t, ring).to(ctx.device, non_blocking=True) for t in (x, y))  # my positions
                     last = micro == args.grad_accum - 1  # reduce the gradients once per optimizer step
                     if args.fsdp:
                         model.set_requires_gradient_sync(last)

@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
-from common.parallelize.ep import apply_ep, check_ep, expert_params, moe_layers, reduce_expert_grads
+from common.parallelize.ep import (add_ep_flag, apply_ep, check_ep, expert_params, moe_layers, reduce_expert_grads,
+                                   say_even_routing)
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
@@ -44,12 +45,9 @@ def main(argv=None):
     cli.add_moe_flags(p)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
-    p.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel degree: each group of this many ranks splits the experts among them, and "
-                        "the groups are copies of each other (default: all the ranks, one group)")
+    add_ep_flag(p)  # --ep: the expert-parallel degree (default: every rank)
     args = cli.parse(p, argv)
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         ep = args.ep or ctx.world_size
         check_ep(args.model_config, args.model, ep, ctx.world_size, ctx.fake)  # n_experts / ep experts per rank
@@ -66,10 +64,7 @@ def main(argv=None):
         # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
         # routing from the other ranks: it assumes an even one)
         apply_ep(model, mesh, even_routing=ctx.fake)
-        if ctx.fake:
-            ctx.print("dry run: the other ranks' routing never arrives, so this rank assumes an even one (each rank "
-                      "sends it as many token slots as it sends that rank): its all-to-all bytes and expert shapes "
-                      "are a balanced run's.")
+        say_even_routing(ctx)
         apply_ac(model, args.ac, every=args.ac_every)
         # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
         # alone. With --ep below the world size each expert has copies, which average their

@@ -27,39 +27,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import main_guard
 from common.measure.pipeline import ComputeTimer, bubble_report
 from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
-from common.parallelize.pp import (SCHEDULES, build_stage, check_no_accum, check_pp, make_schedule, pipeline_evaluate,
-                                   last_stage_rank, pipeline_loss, pipeline_stages, stage_indices)
+from common.parallelize.pp import (add_pp_flags, build_stage, check_no_accum, check_pp, last_stage_rank, loss_fn,
+                                   make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages, stage_indices)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
-
-
-def loss_fn(logits, targets):
-    """Applied by the last stage to each micro-batch; the schedule averages over them. In
-    fp32: the schedule calls it outside the stage's autocast, on bf16 logits."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @main_guard
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default: 4)")
+    add_pp_flags(p, microbatches=4)  # --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
     check_no_accum(args)
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
         pp = ctx.world_size
         check_pp(args.model_config, pp, args.schedule, args.microbatches, args.global_batch_size,
@@ -85,24 +76,22 @@ def main():
         stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
                                  args.global_batch_size // args.microbatches, args.seq_len, args.amp_dtype or torch.float32)
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
-        has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
+        has_first, has_last, last = 0 in my_stages, n_stages - 1 in my_stages, last_stage_rank(pp, args.schedule)
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
         # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
         # the full model's names, so the checkpoint does not depend on the split.
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy="pp", parallel={"pp": pp},
                   title=f"Pipeline parallel ({args.schedule}, {args.microbatches} micro-batches)",
-                  predict=dict(microbatches=args.microbatches, schedule=args.schedule),
-                  evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last,
-                                                     last_stage_rank(pp, args.schedule), stages=stages))
+                  predict=dict(microbatches=args.microbatches, schedule=args.schedule), evaluate=lambda:
+                  pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, last, stages=stages))
         batches = iter(data)
         timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
         for step in run.steps():
             with run.step(step):
                 x, y = next(batches)
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                losses = []  # filled on the last stage, one loss per micro-batch
-                # The schedule runs forward and backward of every micro-batch in its order.
+                losses = []  # filled on the last stage: the schedule runs every micro-batch's forward and backward
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
                 # Each stage holds other layers: their sums of squares add up along the pipeline.
                 grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
@@ -110,7 +99,7 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss (on rank 0 in a V), broadcast: every rank logs the same.
-            run.log(step, pipeline_loss(losses, last_stage_rank(pp, args.schedule), ctx.device), grad_norm=grad_norm, **timer.take())
+            run.log(step, pipeline_loss(losses, last, ctx.device), grad_norm=grad_norm, **timer.take())
 
         bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
         run.finish(schedule=args.schedule, microbatches=args.microbatches,

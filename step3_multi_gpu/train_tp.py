@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from common import cli
 from common.data import Batches, load_corpus
-from common.distributed import distributed
+from common.distributed import distributed_for
 from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
@@ -45,8 +45,7 @@ def main():
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
     args = cli.parse(p)
-    with distributed(args.device, timeout_s=args.pg_timeout, fake_world_size=args.fake_world_size,
-                     fake_rank=args.fake_rank) as ctx:
+    with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
         tp_mesh = ctx.mesh((ctx.world_size,), ("tp",))

@@ -3,12 +3,21 @@
 - common/ has no import circle: a module that imports another, even lazily inside a
   function, is never imported back by it, directly or through others (a circle makes the
   import order matter and hides which module owns what).
+- every step-3 training script can be read in a few minutes: at most MAX_SCRIPT_LINES lines,
+  its plumbing (flags, optional techniques, refusals, summary extras) living in common/.
+- train_ddp.py and train_fsdp.py differ in what makes DDP into FSDP: at most
+  MAX_DDP_FSDP_DIFF changed lines, the count of ``diff train_ddp.py train_fsdp.py | grep -c '^[<>]'``.
 """
 from __future__ import annotations
 
 import ast
+import difflib
 
 from common import ROOT
+
+MAX_SCRIPT_LINES = 110
+MAX_DDP_FSDP_DIFF = 80
+STEP3 = ROOT / "step3_multi_gpu"
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -49,3 +58,25 @@ def test_common_has_no_import_circle():
     assert len(graph) > 25 and graph["common.run"], "the walk found the modules and their imports"
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) != []  # the finder finds one
     assert circles(graph) == []
+
+
+def changed_lines(a: list[str], b: list[str]) -> int:
+    """The lines ``diff`` prints with < or >: those only one side has, after matching the rest."""
+    return sum(max(i2 - i1, 0) + max(j2 - j1, 0) for tag, i1, i2, j1, j2 in
+               difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes() if tag != "equal")
+
+
+def test_every_step3_training_script_is_short_enough_to_read():
+    scripts = sorted(STEP3.glob("train_*.py"))
+    assert len(scripts) >= 9, "the walk found the scripts"
+    long = {p.name: n for p in scripts if (n := len(p.read_text().splitlines())) > MAX_SCRIPT_LINES}
+    assert long == {}, f"over {MAX_SCRIPT_LINES} lines: move their plumbing into common/"
+
+
+def test_the_ddp_to_fsdp_diff_is_the_lesson():
+    assert changed_lines(["a", "b", "c"], ["a", "x", "c", "d"]) == 3  # b out; x and d in
+    ddp, fsdp = ((STEP3 / f"train_{s}.py").read_text().splitlines() for s in ("ddp", "fsdp"))
+    n = changed_lines(ddp, fsdp)
+    assert 0 < n <= MAX_DDP_FSDP_DIFF, f"{n} changed lines between train_ddp.py and train_fsdp.py"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"turn DDP into FSDP, {n} changed lines" in readme, "README.md's count of the diff is out of date"

@@ -23,6 +23,8 @@ pace of the slowest. Cut the sequence into 2W chunks and give rank r chunks r an
 """
 from __future__ import annotations
 
+import argparse
+
 import functools
 import math
 
@@ -32,6 +34,33 @@ import torch.nn.functional as F
 
 from common.errors import UserError
 from common.model import ModelConfig, Transformer
+
+
+def add_cp_flags(p: argparse.ArgumentParser) -> None:
+    """train_cp.py's own flags: the ring's load balancing, the data-parallel groups, FSDP."""
+    p.add_argument("--load-balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each rank an early and a late chunk of the sequence, so that the causal mask "
+                        "leaves every rank the same work (default: on)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel groups: the batch is split over dp groups, each sharing its sequences over "
+                        "world/dp ranks (default: 1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and AdamW state over every rank with FSDP (torchtitan's layout) "
+                        "instead of keeping them whole on each")
+
+
+def refuse_cp_compile(args: argparse.Namespace) -> None:
+    """--compile around the hand-written ring is not offered (refused before any work)."""
+    if args.compile:
+        raise UserError("--compile is not offered with context parallelism: the hand-written ring sends and "
+                        "receives inside every block's attention, and compiling around that is not tested here; "
+                        "drop --compile.")
+
+
+def cp_title(args: argparse.Namespace, cp: int) -> str:
+    """train_cp.py's run title: the degree, the balancing, the data-parallel groups, FSDP."""
+    return (f"Context parallel {cp}" + (" (load-balanced)" if args.load_balance else "")
+            + (f" x {args.dp} data-parallel groups" if args.dp > 1 else "") + (", FSDP" if args.fsdp else ""))
 
 
 def check_cp(cfg: ModelConfig, cp: int, seq_len: int, load_balance: bool, ac: str = "none"):

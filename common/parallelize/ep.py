@@ -47,6 +47,21 @@ from common.measure.comm import purpose
 from common.model import MoE
 
 
+def add_ep_flag(p) -> None:
+    """--ep: the expert-parallel degree."""
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree: each group of this many ranks splits the experts among them, and "
+                        "the groups are copies of each other (default: all the ranks, one group)")
+
+
+def say_even_routing(ctx) -> None:
+    """What a dry run's rank assumes of the routing it never receives (said once, by rank 0)."""
+    if ctx.fake:
+        ctx.print("dry run: the other ranks' routing never arrives, so this rank assumes an even one (each rank "
+                  "sends it as many token slots as it sends that rank): its all-to-all bytes and expert shapes "
+                  "are a balanced run's.")
+
+
 def check_ep(cfg, model_name: str, ep: int, world: int | None = None, dry_run: bool = False) -> None:
     """Refuse what expert parallelism cannot split (one sentence, shared with tools/estimate.py;
     ``dry_run``: the ranks are --fake-world-size's, not launched)."""

@@ -6,15 +6,62 @@ sharded; one short function wraps each transformer block, then the root.
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from common.errors import UserError
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._composable.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                                     OffloadPolicy, fully_shard)
+
+
+def add_fsdp_flags(p: argparse.ArgumentParser) -> None:
+    """train_fsdp.py's own flags: the ZeRO stage, HSDP, and the options FSDP2 offers beside."""
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free each block's gathered parameters after its forward and gather them again in "
+                        "backward (ZeRO-3, the default); --no-reshard-after-forward keeps them (ZeRO-2)")
+    p.add_argument("--hsdp", type=int, nargs=2, metavar=("REPLICAS", "SHARDS"),
+                   help="hybrid sharding: shard each parameter over SHARDS ranks and replicate that over "
+                        "REPLICAS groups (REPLICAS x SHARDS = the number of ranks)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="keep parameter shards, gradients and AdamW on the host (CUDA; a no-op on CPU)")
+    p.add_argument("--split-root-unit", action="store_true",
+                   help="the embedding, and the final norm with the output layer, in FSDP units of their own, "
+                        "gathered only around their own forward and backward (default: both in the root unit, "
+                        "gathered all step)")
+    p.add_argument("--float8", action="store_true",
+                   help="float8 matmuls (torchao, step 2d) and float8 all-gather of the weights: NCCL on "
+                        "H100-class GPUs only")
+
+
+def check_fsdp_float8(enabled: bool, ctx) -> None:
+    """--float8 under FSDP2: it all-gathers float8 weights, which only NCCL can send (gloo has
+    no float8 type), and needs float8 tensor cores."""
+    from common.parallelize.float8 import float8_unsupported
+    if not enabled:
+        return
+    why = float8_unsupported(ctx.device) or (ctx.backend != "nccl" and (
+        f"--float8 all-gathers float8 weights, which {ctx.backend} cannot send (NCCL only); drop --float8, "
+        f"or train float8 on one device with step2_memory/train_float8.py."))
+    if why:
+        raise UserError(why)
+
+
+def fsdp_run_labels(args: argparse.Namespace, mesh: DeviceMesh) -> dict:
+    """train_fsdp.py's keywords for Run: the title, the strategy theory.py predicts for, the
+    mesh's degrees. Each rank checkpoints only its shards (DTensors); a run on another number
+    of ranks reads its new shards from whichever files hold them."""
+    zero = " ZeRO-3" if args.reshard_after_forward else " ZeRO-2"
+    what = (f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP") + zero
+    return dict(fsdp=True, title=f"Step 3a, {what}",
+                strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
+                parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), predict=dict(shard=args.hsdp and args.hsdp[1]))
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,

@@ -8,10 +8,13 @@ one sentence, before any rank starts to communicate.
 """
 from __future__ import annotations
 
+import argparse
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from common.errors import UserError
@@ -22,6 +25,42 @@ from common.training import eval_batch_count, global_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev")
 SIMULATED = ("gpipe", "1f1b", *V_SCHEDULES)  # the schedules simulate_schedule can play
+
+
+def add_pp_flags(p: argparse.ArgumentParser, microbatches: int = 4, per: str = "step") -> None:
+    """--schedule and --microbatches (a pipeline's --grad-accum)."""
+    p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
+    p.add_argument("--microbatches", type=int, default=microbatches,
+                   help=f"micro-batches per {per} (default: {microbatches})")
+
+
+def add_3d_flags(p: argparse.ArgumentParser) -> None:
+    """train_3d.py's degrees, outer to inner, then the pipeline's flags."""
+    for dim, what in (("pp", "pipeline stages, the outer dimension"), ("dp", "FSDP degree, the middle dimension"),
+                      ("tp", "tensor-parallel degree, the inner dimension")):
+        p.add_argument(f"--{dim}", type=int, default=None, help=f"{what} (default: from the world size)")
+    add_pp_flags(p, microbatches=2, per="step and replica")
+
+
+def layout_3d(args: argparse.Namespace, world: int) -> None:
+    """Fill in the degrees not given: tp 2, then pp 2, where the ranks left over are
+    even, and dp the rest (8 ranks: 2 x 2 x 2; 4: pp 2 x tp 2; 1: 1 x 1 x 1); then check
+    that they are positive and that the batch divides among the replicas."""
+    for dim in ("tp", "pp", "dp"):
+        if getattr(args, dim) is None:
+            left = world // math.prod(d for d in (args.pp, args.dp, args.tp) if d)
+            setattr(args, dim, max(1, left) if dim == "dp" else 2 if left % 2 == 0 else 1)
+    if min(args.pp, args.dp, args.tp) <= 0:
+        raise UserError(f"--pp, --dp and --tp must be positive (got {args.pp}, {args.dp}, {args.tp}).")
+    if args.global_batch_size % args.dp:
+        raise UserError(f"--global-batch-size {args.global_batch_size} does not divide among {args.dp} "
+                        f"data-parallel replicas; use a multiple of {args.dp}.")
+
+
+def loss_fn(logits, targets):
+    """Applied by the last stage to each micro-batch; the schedule averages over them. In
+    fp32: the schedule calls it outside the stage's autocast, on bf16 logits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "zbv": 2, "dualpipev": 2}
