@@ -301,11 +301,23 @@ def worst_rank(p: Plan) -> dict:
 
 
 # ---- tracing under fake tensors -----------------------------------------------------------------
+_TRACED: dict[str, dict] = {}  # repr((plan, rank)) -> trace: a plan is traced once per process
+
+
 def trace(p: Plan, rank: int | None = None) -> dict:
     """One rank's memory by category in one real training step of plan ``p``, traced without
     allocating: rank 0, or under pipeline parallelism ``rank`` (default: the rank the
     formulas find fullest; the result's ``rank``). The second of two steps is measured
-    (AdamW's state is created in the first)."""
+    (AdamW's state is created in the first). The trace is deterministic: a process that
+    asks again for the same plan (the README's 8B table and its test, say) gets a copy."""
+    import copy
+    key = repr((p, rank))
+    if key not in _TRACED:
+        _TRACED[key] = _trace(p, rank)
+    return copy.deepcopy(_TRACED[key])
+
+
+def _trace(p: Plan, rank: int | None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
