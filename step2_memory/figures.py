@@ -1,0 +1,114 @@
+"""Chapter 2's figures and tables, made by ``python -m tools.figures --only 02``: each
+memory saver's trace beside the baseline's, the peaks by category and the table (block
+``table-02`` of README.md here), and float8 beside bf16 (``--only 02_float8``, block
+``table-02-float8``).
+
+tools/figures.py gathers CHAPTER2 and FLOAT8 into its runs and POST_STEPS into its tables.
+"""
+from __future__ import annotations
+
+import json
+
+from common import ROOT
+from common.measure.memory import fmt_bytes
+from tools.figure_runs import Run, run_dir, summary, this_device
+
+# ---- chapter 2: memory savers on one device -------------------------------------------
+# The baseline's model, batch and sequence length, so that every row of the table differs
+# from it by the saving alone. Runs with no figures of their own: the post step below
+# draws each trace beside the baseline's, on its scale.
+_CH2 = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "8", "--eval-batches", "0"]
+CHAPTER2 = [
+    Run("02_baseline", "step1_single_gpu/train.py", _CH2),
+    Run("02_amp", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"]),
+    Run("02_amp_sac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "selective"]),
+    Run("02_amp_ac", "step2_memory/train_amp_ac.py", _CH2 + ["--amp", "bf16", "--ac", "full"]),
+    Run("02_accum_fp32", "step2_memory/train_accum.py", _CH2 + ["--amp", "off", "--ac", "none", "--grad-accum", "4"]),
+    Run("02_amp_ac_accum", "step2_memory/train_accum.py", _CH2 + ["--amp", "bf16", "--ac", "full", "--grad-accum", "4"]),
+    # The step times of the same set-ups, taken in turns in one process: runs made one
+    # after another on a shared machine see different loads.
+    Run("02_bench", "step2_memory/bench_memory_savers.py", _CH2[:6] + ["--steps", "6"]),
+]
+_CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "02_amp_sac": "AMP + selective AC",
+               "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
+               "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
+
+# ---- float8 (step 2d) ----------------------------------------------------------------------
+# float8 beside a bf16 run of its own, so that --only 02_float8 redoes both.
+FLOAT8 = [
+    Run("02_float8/bf16", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"], job="02_float8"),
+    Run("02_float8/float8", "step2_memory/train_float8.py", _CH2, job="02_float8"),
+]
+
+
+def chapter2(suffix: str = "") -> dict[str, str]:
+    """Each saving's trace beside the baseline's, the peaks by category, and the table.
+
+    Returns {README marker: table}."""
+    from tools.compare import RunResult, markdown_table, render_timelines, render_peak_bars
+
+    runs = {r.name: RunResult.load(_CH2_LABELS[r.name], run_dir(r.name, suffix))
+            for r in CHAPTER2 if r.name in _CH2_LABELS}
+    bench = json.loads((run_dir("02_bench", suffix) / "bench.json").read_text())
+    s = runs["02_baseline"].summary
+    what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
+    figs = ROOT / "figs"
+    figs.mkdir(exist_ok=True)
+    for name, fig, title in [
+        ("02_amp", "02_memory_trace_amp", "AMP (bf16 autocast) beside the fp32 baseline"),
+        ("02_amp_ac", "02_memory_trace_amp_ac", "AMP + full activation checkpointing beside the fp32 baseline"),
+    ]:
+        render_timelines([runs["02_baseline"], runs[name]], figs / f"{fig}{suffix}.png", f"{title}: {what}")
+    render_timelines([runs["02_baseline"], runs["02_accum_fp32"], runs["02_amp_ac_accum"]],
+                  figs / f"02_memory_trace_accum{suffix}.png",
+                  f"Gradient accumulation (4 micro-batches of 2) beside the fp32 baseline: {what}")
+    render_peak_bars(list(runs.values()), figs / f"02_peak_memory{suffix}.png",
+                     f"What is alive at the memory peak, by category: {what}",
+                     budget=None if suffix else (128 * 2**20, "a pretend 128 MiB device"))
+    device = this_device(s["device"])
+    info, times = bench["info"], {_CH2_LABELS["02_" + k]: v["min_s"] for k, v in bench["result"].items()}
+    flops = {_CH2_LABELS["02_" + k]: v["matmul_flops"] for k, v in bench["result"].items()}
+    threads = f" on {info['threads']} CPU thread{'s' if info['threads'] != 1 else ''}" if info["threads"] else ""
+    load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
+            if info["load_before"] is not None else "")
+    commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2 if r.name in _CH2_LABELS]
+    text = (f"Device: {device}; {what}.\n\n"
+            f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
+            f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
+            f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
+            f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies and attention of "
+            f"one step, recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
+            + markdown_table(list(runs.values()), commands, step_times=times, flops=flops))
+    (figs / f"02_table{suffix}.md").write_text(text)
+    for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
+        print(f"wrote figs/{f}{suffix}.{'md' if f.endswith('table') else 'png'}", flush=True)
+    return {f"table-02{suffix}": text}
+
+
+def float8_table(suffix: str = "") -> dict[str, str]:
+    """Step 2d: float8 beside bf16, same model, batch and steps: the losses, the memory at
+    the peak against the bf16 prediction, and the (CPU-emulated) step time."""
+    rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
+            "activations (predicted for bf16) | other | peak | step time |", "|" + "---|" * 11]
+    ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().splitlines()]
+    for name, label, cmd in (("bf16", "AMP bf16", "python step2_memory/train_amp.py"),
+                             ("float8", "float8 + bf16", "python step2_memory/train_float8.py")):
+        folder = run_dir(f"02_float8/{name}", suffix)
+        s = summary(f"02_float8/{name}", suffix)
+        loss = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        gap = max(abs(a - b) / a for a, b in zip(ref, loss))
+        m, pred = s["memory"][0]["at_peak"], s["predicted"]["per_rank"][0]
+        cells = [fmt_bytes(m[c], ".1f") for c in ("parameters", "gradients", "optimizer state")]
+        act = f"{fmt_bytes(m['activations'], '.1f')} ({fmt_bytes(pred['activations'], '.1f')})"
+        rows.append(f"| {label} | `{cmd}` | {gap:.2%} | {s['final_loss']:.4f} | {' | '.join(cells)} | {act} | "
+                    f"{fmt_bytes(m['other'], '.1f')} | **{fmt_bytes(s['memory'][0]['peak_bytes'], '.1f')}** | "
+                    f"{s['step_time_s'] * 1e3:,.0f} ms |")
+    s = summary("02_float8/float8", suffix)
+    head = (f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']}, {s['steps']} steps, "
+            f"{s['device_name']}; float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "
+            f"{', '.join(s['float8']['skipped'])}.")
+    return {"table-02-float8" + suffix: head + "\n\n" + "\n".join(rows)}
+
+
+# (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown})
+POST_STEPS = [("02", chapter2), ("02_float8", float8_table)]
