@@ -23,7 +23,7 @@ from common.errors import UserError, main_guard
 from common.measure.interleaved_bench import interleaved, matmul_flops, memory_saver_step
 from common.training import compile_unsupported
 
-# The set-ups of the chapter's table, named like its runs (tools/figures.py CHAPTER2).
+# The set-ups of the chapter's table, named like its runs (step2_memory/figures.py CHAPTER2).
 SAVERS = {"baseline": {}, "amp": {"amp": "bf16"}, "amp_sac": {"amp": "bf16", "ac": "selective"},
           "amp_ac": {"amp": "bf16", "ac": "full"}, "accum_fp32": {"grad_accum": 4},
           "amp_ac_accum": {"amp": "bf16", "ac": "full", "grad_accum": 4}}

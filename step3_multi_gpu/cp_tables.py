@@ -1,4 +1,4 @@
-"""The context-parallel page's figure and table, from the 03_cp runs of tools/figures.py:
+"""The context-parallel page's figure and table, from the 03_cp runs of figures.py here:
 the same model, batch and long sequence on 1, 2 and 4 ranks of train_cp.py, and step 1's
 single process beside them for the losses."""
 from __future__ import annotations

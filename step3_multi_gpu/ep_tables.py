@@ -1,5 +1,5 @@
 """The expert-parallel page's figure and table (step3_multi_gpu/expert_parallel.md), from the
-runs tools/figures.py makes (runs/figs/03_ep/...): ``python -m tools.figures --only 03_ep``.
+runs of figures.py here (runs/figs/03_ep/...): ``python -m tools.figures --only 03_ep``.
 
 - figs/03_ep_tokens_per_expert.png: the tokens each expert got at every step, with and
   without the load-balancing loss: is the router balanced?
@@ -122,7 +122,7 @@ def ep_table(runs: Path) -> str:
 
 
 def write_ep_figures(suffix: str = "") -> dict[str, str]:
-    """A POST_STEPS entry of tools/figures.py."""
+    """A POST_STEPS entry of figures.py here."""
     from common import ROOT
     runs = ROOT / "runs" / "figs" / (RUNS + suffix)
     caption = tokens_figure(runs, ROOT / "figs" / f"03_ep_tokens_per_expert{suffix}.png")

@@ -1,4 +1,4 @@
-"""Chapter 3's tables, made from the runs tools/figures.py makes: 3a (the data-parallel
+"""Chapter 3's tables, made from the runs of figures.py here: 3a (the data-parallel
 family, measured next to its formulas) and 3b (the model-parallel family side by side).
 
 What the data-parallel family should cost, per rank:
@@ -30,7 +30,7 @@ from __future__ import annotations
 # chapter's table.
 
 
-# ---- the chapter's table, from the runs tools/figures.py makes ----------------------
+# ---- the chapter's table, from the runs of figures.py here ----------------------------
 # (run name, label, strategy, HSDP shard size or None)
 TABLE_ROWS = [
     ("3a_ddp", "DDP", "ddp", None),
@@ -103,7 +103,7 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
 
 
 def write_chapter3a_table(suffix: str = "") -> dict[str, str]:
-    """A POST_STEPS entry of tools/figures.py: figs/03a_table.md, and the README block."""
+    """A POST_STEPS entry of figures.py here: figs/03a_table.md, and the README block."""
     from common import ROOT as root
 
     md = chapter3a_table(root / "runs" / "figs", suffix)
@@ -217,7 +217,7 @@ def clip_table(runs_dir) -> str:
 
 
 def write_clip_table(suffix: str = "") -> dict[str, str]:
-    """A POST_STEPS entry of tools/figures.py: figs/03_clip_table.md, and the README block."""
+    """A POST_STEPS entry of figures.py here: figs/03_clip_table.md, and the README block."""
     from common import ROOT as root
 
     md = clip_table(root / "runs" / "figs" / f"03_clip{suffix}")

@@ -1,7 +1,7 @@
 """Chapter "survive faults": what a checkpoint holds on disk, per strategy, against 12N.
 
-``write_faults_table`` reads the checkpoint folders of the chapter's runs (registered in
-tools/figures.py as CHAPTER5) and writes figs/05_checkpoint_table.md: files, bytes per
+``write_faults_table`` reads the checkpoint folders of the chapter's runs (listed in
+step4_multi_node/figures.py as CHAPTER5) and writes figs/05_checkpoint_table.md: files, bytes per
 rank's data file, the total against the formula, and, from the checkpoint's .metadata, the
 tensor bytes and the number of items it wrote. A checkpoint holds the fp32 weights
 (4N bytes) and AdamW's two moments (8N), N = parameters, whatever the strategy: DDP's

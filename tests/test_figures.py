@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import step3_multi_gpu.figures as step3  # will_it_fit.md's estimator blocks are made there
 from tools import figures
 from tools.docs import block
 from tools.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
@@ -170,8 +171,8 @@ def test_estimator_blocks_follow_their_commands():
     """Each README block the figures command fills with the estimator's output comes right
     after a bash block holding exactly the commands that make it."""
     import shlex
-    dry = {marker: ([argv], True) for marker, argv in figures.DRY_ESTIMATES.items()}
-    for marker, (commands, _) in {**figures.ESTIMATES, **dry}.items():
+    dry = {marker: ([argv], True) for marker, argv in step3.DRY_ESTIMATES.items()}
+    for marker, (commands, _) in {**step3.ESTIMATES, **dry}.items():
         page = block(marker)[0].read_text()
         head = page.split(f"<!-- BEGIN {marker} -->", 1)[0]
         shown = head.rstrip().removesuffix("```").rsplit("```bash\n", 1)[1]
@@ -179,7 +180,7 @@ def test_estimator_blocks_follow_their_commands():
         assert all(line.startswith("python -m tools.estimate ") for line in shown.strip().splitlines())
 
 
-@pytest.mark.parametrize("marker", sorted(figures.DRY_ESTIMATES))
+@pytest.mark.parametrize("marker", sorted(step3.DRY_ESTIMATES))
 def test_the_dry_run_blocks_hold_answers_that_agree(marker, capsys):
     """The dry-run blocks (minutes to make: python -m tools.figures --only dry_estimate, --only
     dry8b) show the formula, the trace (1b) and the dry run, equal on parameters, gradients
@@ -196,11 +197,11 @@ def test_the_dry_run_blocks_hold_answers_that_agree(marker, capsys):
     def row(t, name):
         return next(line for line in t.splitlines() if line.strip().startswith(name))
     for c in ("parameters", "gradients", "optimizer state"):
-        assert cells(row(text, c))[3::2] == ["1.000"] * (2 if "--trace" in figures.DRY_ESTIMATES[marker] else 1), c
+        assert cells(row(text, c))[3::2] == ["1.000"] * (2 if "--trace" in step3.DRY_ESTIMATES[marker] else 1), c
     for c in ("activations", "peak ("):
         assert all(abs(float(r) - 1) <= 0.01 for r in cells(row(text, c))[3::2]), row(text, c)
     assert "the dry run's collectives per step" in text
-    estimate([a for a in figures.DRY_ESTIMATES[marker] if a not in ("--trace", "--dry-run")])
+    estimate([a for a in step3.DRY_ESTIMATES[marker] if a not in ("--trace", "--dry-run")])
     formula = capsys.readouterr().out
     names = [cells(line)[0] for line in formula.splitlines()[2:] if not line.strip().startswith(("fits", "sent"))]
     assert len(names) >= 7 and ("at peak: root's fp32 reduce-scatter copy" in names) == (marker.endswith("1b")), names
@@ -213,7 +214,7 @@ def test_estimator_blocks_are_current():
     answers must be what it answers now."""
     import re
     untimed = lambda t: re.sub(r"in [\d.]+ s\)", "in ... s)", t.strip())  # noqa: E731
-    for marker, text in figures.estimates().items():
+    for marker, text in step3.estimates().items():
         assert untimed(block(marker)[1]) == untimed(text), f"the {marker} block is stale: run python -m tools.figures"
 
 

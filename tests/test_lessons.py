@@ -7,34 +7,43 @@
   its plumbing (flags, optional techniques, refusals, summary extras) living in common/.
 - train_ddp.py and train_fsdp.py differ in what makes DDP into FSDP: at most
   MAX_DDP_FSDP_DIFF changed lines, the count of ``diff train_ddp.py train_fsdp.py | grep -c '^[<>]'``.
+- a chapter's figures live beside its scripts: its runs and what turns them into its figures
+  and tables are in its folder's figures.py; tools/figures.py (at most MAX_FIGURES_TOOL_LINES
+  lines) only gathers them, launches the runs and writes the pages' blocks; and nothing in
+  common/, tools/ or the step folders imports itself back (the chapters' figures modules import
+  tools/figure_runs.py, never tools/figures.py).
 """
 from __future__ import annotations
 
 import ast
 import difflib
+import importlib
 
 from common import ROOT
 
 MAX_SCRIPT_LINES = 110
 MAX_DDP_FSDP_DIFF = 80
+MAX_FIGURES_TOOL_LINES = 250
 STEP3 = ROOT / "step3_multi_gpu"
+# each step folder and the prefixes of the files in figs/ its runs make
+CHAPTERS = {"step1_single_gpu": ("01",), "step2_memory": ("02",), "step3_multi_gpu": ("03", "04"),
+            "step4_multi_node": ("05",)}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """{module: the common.* modules it imports, anywhere in its body}."""
-    root = ROOT / "common"
+def import_graph(packages=("common",)) -> dict[str, set[str]]:
+    """{module: the modules of ``packages`` it imports, anywhere in its body}."""
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in root.rglob("*.py")}
+             for package in packages for p in (ROOT / package).rglob("*.py")}
     graph = {}
     for name, path in files.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("common"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(packages):
                 deps.add(node.module)  # from common.x import y: y may be a module itself
                 deps.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in files)
             elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("common"))
-        graph[name] = (deps & files.keys()) - {name, "common"}  # the package's ROOT is no circle
+                deps.update(a.name for a in node.names if a.name.startswith(packages))
+        graph[name] = (deps & files.keys()) - {name, *packages}  # a package's ROOT is no circle
     return graph
 
 
@@ -57,6 +66,37 @@ def test_common_has_no_import_circle():
     graph = import_graph()
     assert len(graph) > 25 and graph["common.run"], "the walk found the modules and their imports"
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) != []  # the finder finds one
+    assert circles(graph) == []
+
+
+def test_the_chapters_figures_live_in_their_folders():
+    from tools import figures
+    n = len((ROOT / "tools" / "figures.py").read_text().splitlines())
+    assert n <= MAX_FIGURES_TOOL_LINES, f"tools/figures.py has {n} lines: move a chapter's part into its folder"
+    tree = ast.parse((ROOT / "tools" / "figures.py").read_text())
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "Run"], "a run is listed in tools/figures.py, not its chapter's"
+    home, steps = {}, []  # id(run) -> its chapter folder; the chapters' POST_STEPS in order
+    for folder in CHAPTERS:
+        module = importlib.import_module(f"{folder}.figures")
+        for value in vars(module).values():
+            for run in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()):
+                if isinstance(run, figures.Run):
+                    home.setdefault(id(run), folder)
+        steps += module.POST_STEPS
+        assert all(not post.__module__.startswith(("step", "tools.figures")) or post.__module__.startswith(folder)
+                   for _, post in module.POST_STEPS), f"{folder}/figures.py registers another chapter's table"
+    assert len(figures.RUNS) > 50 and all(id(r) in home for r in figures.RUNS), "a run outside the chapters"
+    for run in figures.RUNS:
+        assert all(f.startswith(CHAPTERS[home[id(run)]]) for f in run.figures), (run.name, home[id(run)])
+    # the registry: the chapters' tables, then README.md's own (the GPU report)
+    assert figures.POST_STEPS == [*steps, ("gpu", figures.gpu_check_report)]
+
+
+def test_nothing_imports_itself_back():
+    graph = import_graph(("common", "tools", *CHAPTERS))
+    assert graph["tools.figures"] >= {f"{c}.figures" for c in CHAPTERS}, "the walk found the chapters' figures"
+    assert all("tools.figures" not in graph[f"{c}.figures"] for c in CHAPTERS)
     assert circles(graph) == []
 
 

@@ -17,7 +17,7 @@ the strategy (precision, model, batch, steps, ...; read from their summary.json)
 column for each such setting, and the figure titles name it: an fp32 run beside a bf16
 one compares precision as much as sharding.
 
-Chapter 2's figures and table (tools/figures.py) use the same functions with one rank.
+Chapter 2's figures and table (step2_memory/figures.py) use the same functions with one rank.
 """
 from __future__ import annotations
 

@@ -600,7 +600,7 @@ def markdown_table() -> str:
 
 
 def table(suffix: str = "") -> dict[str, str]:
-    """For tools/figures.py's POST_STEPS: the README block (no run needed, any device)."""
+    """For step4_multi_node/figures.py's POST_STEPS: the README block (no run needed, any device)."""
     return {} if suffix else {"misuse": markdown_table()}
 
 
