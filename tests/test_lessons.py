@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import inspect
+import re
 
 from common import ROOT
 
@@ -89,6 +91,19 @@ def test_the_chapters_figures_live_in_their_folders():
     assert len(figures.RUNS) > 50 and all(id(r) in home for r in figures.RUNS), "a run outside the chapters"
     for run in figures.RUNS:
         assert all(f.startswith(CHAPTERS[home[id(run)]]) for f in run.figures), (run.name, home[id(run)])
+    # the blocks of a chapter's pages are named in its folder's modules (or a tool its figures.py
+    # registers, as step 4's troubleshooting table), never in tools/figures.py
+    in_tool = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    for folder in CHAPTERS:
+        module = importlib.import_module(f"{folder}.figures")
+        sources = [p.read_text() for p in (ROOT / folder).glob("*.py")]
+        sources += [inspect.getsource(inspect.getmodule(post)) for _, post in module.POST_STEPS]
+        named = {n.value for src in sources for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Constant)}
+        pages = sorted((ROOT / folder).glob("*.md"))
+        markers = [m for page in pages for m in re.findall(r"<!-- BEGIN ([\w-]+) -->", page.read_text())]
+        assert markers, f"the walk found {folder}'s blocks"
+        for marker in markers:
+            assert marker in named and marker not in in_tool, f"{folder}'s block {marker} is made outside {folder}/"
     # the registry: the chapters' tables, then README.md's own (the GPU report)
     assert figures.POST_STEPS == [*steps, ("gpu", figures.gpu_check_report)]
 
