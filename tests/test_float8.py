@@ -7,7 +7,7 @@ by up to 1/16 of its value, against bf16's 1/256; the gradient backward multipli
 (2 bits, up to 1/8). The rounding errors of a K-term dot product
 are independent and mostly cancel, and the loss is a mean over batch x sequence tokens,
 so over the first steps the float8 loss stays within a small fraction of the bf16 one:
-measured on the debug model, at most 0.06% in 6 steps. We allow 1%: room for another CPU
+measured on the debug model (32 tokens a sequence), at most 0.09% in 6 steps. We allow 1%: room for another CPU
 or torchao version, while an unscaled cast (operands flushed to zero or saturated at
 448) or a layer trained in the wrong dtype moves the loss by far more.
 """
@@ -33,11 +33,14 @@ def one_thread():
 
 
 def test_float8_loss_follows_bf16_over_the_first_steps(monkeypatch, tmp_path):
-    flags = ("--no-trace-memory", "--eval-batches", "0")
+    # 32 tokens a sequence, not TINY's 64: the CPU emulates float8's matmuls slowly, and half
+    # the tokens still show the rounding (the losses differ) and the learning
+    flags = ("--no-trace-memory", "--eval-batches", "0", "--seq-len", "32")
     bf16, _ = run_main(monkeypatch, "train_amp", tmp_path / "bf16", "--amp", "bf16", *flags, steps=STEPS)
     f8, _ = run_main(monkeypatch, "train_float8", tmp_path / "f8", *flags, steps=STEPS)
     a, b = [r["loss"] for r in bf16], [r["loss"] for r in f8]
     rel = [abs(x - y) / x for x, y in zip(a, b)]
+    print(f"float8 against bf16: largest gap {max(rel):.4%} over {STEPS} steps")
     assert max(rel) < REL_TOL, f"float8 left bf16's loss by {max(rel):.2%} (bf16 {a}, float8 {b})"
     assert any(x != y for x, y in zip(a, b)), "float8 gave bf16's losses bit for bit: were the layers converted?"
     assert b[-1] < b[0] - 0.1, f"float8 did not learn: {b}"  # it trains, not just agrees at step 0
