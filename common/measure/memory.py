@@ -214,10 +214,10 @@ class _AllocatorView:
     collective, once the main thread has dropped the last reference, never reaches the
     count, a different number of them each run as the threads race. Every event carries
     its block's address: gloo's blocks are paired with their frees and kept out of the
-    peak, and reported apart as ``collective_bytes`` (the largest such block). A block the trace knows that dies on
-    another thread is told to the count with its address and the time (``freed_elsewhere``:
-    the profiler's own record gives its size), and a block whose address comes back before
-    any free was seen was freed unseen, and leaves the count there.
+    peak, and reported apart as ``collective_bytes`` (the largest such block). A block the
+    trace knows that dies on another thread is told to the count with its address and the
+    time (``freed_elsewhere``: the profiler's own record gives its size), and a block whose
+    address comes back before any free was seen was freed unseen, and leaves the count there.
     """
 
     def __init__(self, device: torch.device):
