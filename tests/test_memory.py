@@ -236,3 +236,22 @@ def test_a_free_on_another_thread_does_not_inflate_the_cpu_allocator_peak():
             t.join()
     r = tracer.result
     assert r["peak_bytes"] / r["allocator_peak_bytes"] == pytest.approx(1, abs=0.01), r["allocator_peak_bytes"]
+
+
+def test_a_block_from_before_the_window_freed_inside_it_leaves_the_cpu_count():
+    """The profiler cannot size a free of a block allocated before it started (and says
+    nothing): the trace tells the count. Here the previous step's gradients, alive when the
+    window opens, are freed by the first thing the step does (DDP's second step does the
+    same to its gradient buckets, which it rebuilds): without this the count kept them, 4N
+    bytes too many at the peak."""
+    model = build_model(get_config("debug"), "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = MemoryTracer(model, opt, "cpu", enabled=True, start=1, steps=1)
+    x = torch.randint(0, 256, (2, 16))
+    for step in range(2):
+        with tracer.record(step):
+            opt.zero_grad(set_to_none=True)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+    r = tracer.result
+    assert r["peak_bytes"] / r["allocator_peak_bytes"] == pytest.approx(1, abs=0.01), r["allocator_peak_bytes"]

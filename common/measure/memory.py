@@ -227,11 +227,19 @@ class _AllocatorView:
         self._prof = None
         self.collective_bytes = None  # CPU: the largest block gloo made inside a collective
         self._frees_elsewhere: list[tuple[int, int]] = []  # CPU: (time in ns, address)
+        self._seeded_frees: list[tuple[int, int, int]] = []  # CPU: (time in ns, address, bytes)
 
     def freed_elsewhere(self, address: int):
         """A block the trace knows died on a thread the profiler does not record."""
         if self._prof is not None:
             self._frees_elsewhere.append((time.time_ns(), address))  # (list.append is atomic)
+
+    def seeded_freed(self, address: int, nbytes: int):
+        """A block from before the window (counted in ``seeded``) was freed: the profiler does
+        not know its size and says nothing (DDP rebuilds its gradient buckets in its second
+        step, for one: the old buckets go)."""
+        if self._prof is not None:
+            self._seeded_frees.append((time.time_ns(), address, nbytes))
 
     # CUDA path: no CPU test: the CUDA allocator's own counters exist only with a GPU (a CPU reads its allocator
     # through the profiler, the other branch, which tests/test_step2.py holds to the trace); tools/gpu_check.py
@@ -277,6 +285,9 @@ class _AllocatorView:
             events += [{"name": "[memory]", "tid": None, "ts": (ns - base) / 1000,
                         "args": {"Addr": address, "Bytes": 0, "Device Type": 0}}
                        for ns, address in self._frees_elsewhere]  # (Bytes 0: whatever was there)
+            events += [{"name": "[memory]", "tid": None, "ts": (ns - base) / 1000,
+                        "args": {"Addr": address, "Bytes": -nbytes, "Device Type": 0, "seeded": True}}
+                       for ns, address, nbytes in self._seeded_frees]
             self._prof = None
             top, self.collective_bytes = _cpu_count(events, self._tid)
             self.peak = seeded + top
@@ -310,6 +321,8 @@ def _cpu_count(events: list[dict], main: int) -> tuple[int, int]:
             else:
                 running += nbytes
                 top = max(top, running)
+        elif e["args"].get("seeded"):  # a block from before the window: it was in no running sum
+            running += nbytes
         else:
             old = live.pop(addr, None)
             if old is not None and not old[1]:
@@ -318,10 +331,10 @@ def _cpu_count(events: list[dict], main: int) -> tuple[int, int]:
 
 
 class _Record:
-    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address")
+    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address", "pre")
 
-    def __init__(self, nbytes, alloc, address=None):
-        self.nbytes, self.alloc, self.free, self.address = nbytes, alloc, None, address
+    def __init__(self, nbytes, alloc, address=None, pre=False):
+        self.nbytes, self.alloc, self.free, self.address, self.pre = nbytes, alloc, None, address, pre
         self.category, self.activation, self.ref = None, False, None
 
 
@@ -548,7 +561,7 @@ class MemoryTracer:
         if rec is None:
             if st.nbytes() == 0 and key in self._watched:  # freed in place: holds nothing now
                 return None
-            rec = _Record(st.nbytes(), 0 if preexisting else self._t, st.data_ptr())
+            rec = _Record(st.nbytes(), 0 if preexisting else self._t, st.data_ptr(), preexisting)
             self._t += 0 if preexisting else 1
             rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
             if key in self._watched:
@@ -579,7 +592,7 @@ class MemoryTracer:
     def _on_dead(self, key):
         rec = self._live.get(key)
         elsewhere = threading.current_thread() is not self._thread
-        if rec is not None and elsewhere and self._allocator is not None:
+        if rec is not None and elsewhere and not rec.pre and self._allocator is not None:
             self._allocator.freed_elsewhere(rec.address)
         if rec is not None and rec.category == STAGING and elsewhere:
             self._freed_elsewhere.append(key)  # (list.append is atomic; the counters are not)
@@ -603,6 +616,8 @@ class MemoryTracer:
 
     def _on_free(self, key):
         rec = self._live.pop(key, None)
+        if rec is not None and rec.pre and self._allocator is not None:
+            self._allocator.seeded_freed(rec.address, rec.nbytes)
         if rec is not None and self.active:
             rec.free = self._t
             self._t += 1
