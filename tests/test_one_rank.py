@@ -106,12 +106,10 @@ def test_every_step3_script_trains_what_step1_trains_under_plain_python(launches
 
 # The runs whose trace misses part of what the CPU allocator counts, and the ratio measured (the
 # count is deterministic: common/measure/memory.py, _AllocatorView, counts gloo's own buffers
-# apart). One rank under torchrun of DDP, ZeRO-1 and CP, of TP, TP+SP and 2-D; the dry runs of 4
-# of DDP, CP, FSDP, 3-D and the pipeline: what they hold that the trace does not see is not yet
-# named (issue 43). Step 1, every step-2 saver, FSDP, the pipeline, 3-D and EP on one rank, and the
-# dry runs of TP, 2-D and EP agree within 1%.
-GPU_CHECK_CPU_MISSES = {"03_ddp": 0.8834, "03_zero1": 0.8834, "03_cp": 0.8854, "03_tp": 0.9578, "03_tp_sp": 0.9578,
-                        "03_2d": 0.9578, "03_dry4_ddp": 0.8359, "03_dry4_cp": 0.836, "03_dry4_fsdp": 0.9871,
+# apart and takes out the blocks from before the window that the window frees). One rank of TP,
+# TP+SP and 2-D; the dry runs of 4 of FSDP, 3-D and the pipeline: what they hold that the trace
+# does not see is not yet named (issue 43). Everything else agrees within 1%.
+GPU_CHECK_CPU_MISSES = {"03_tp": 0.9578, "03_tp_sp": 0.9578, "03_2d": 0.9578, "03_dry4_fsdp": 0.9871,
                         "03_dry4_3d": 0.9875, "03_dry4_pp": 0.9883}
 
 
