@@ -375,7 +375,7 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
         from common.parallelize.ac import apply_ac
         apply_ac(model, p.ac)
     optimizer = _adamw(p, model)
-    tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1)
+    tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1, count_allocator=False)
     m = p.microbatches or p.pp
     first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
     shape = (p.batch // m, p.seq_len)
@@ -460,7 +460,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     # the buckets), so that is what is traced for it.
     module = model
     optimizer = _adamw(p, model)
-    tracer = MemoryTracer(model, optimizer, device, start=1, steps=1)
+    tracer = MemoryTracer(model, optimizer, device, start=1, steps=1, count_allocator=False)
     if fsdp:
         trace_fsdp_memory(tracer, model)
     # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy

@@ -294,6 +294,25 @@ class _AllocatorView:
         return self.peak
 
 
+class _NoAllocator(_AllocatorView):
+    """No count: the steps allocate nothing (fake tensors)."""
+
+    def begin(self):
+        pass
+
+    def step_begin(self):
+        pass
+
+    def step_end(self):
+        pass
+
+    def now(self):
+        return None
+
+    def end(self, seeded: int):
+        return None
+
+
 def _cpu_count(events: list[dict], main: int) -> tuple[int, int]:
     """The highest running sum of a profiler trace's CPU allocations and frees, the blocks
     gloo allocates for a collective left out (see _AllocatorView), and the largest of those.
@@ -364,7 +383,11 @@ class MemoryTracer:
     those, so their size is re-read after every op.
     """
 
-    def __init__(self, models, optimizers, device, enabled=True, start=1, steps=2, sources=()):
+    def __init__(self, models, optimizers, device, enabled=True, start=1, steps=2, sources=(), count_allocator=True):
+        # count_allocator=False: steps under FakeTensorMode (tools/estimate.py's trace) allocate
+        # nothing, so there is no count to hold the trace to (and the CPU's profiler cost a
+        # quarter of an 8B trace's time)
+        self.count_allocator = count_allocator
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.sources = list(sources)
@@ -469,7 +492,7 @@ class MemoryTracer:
             if hasattr(torch.cuda.memory, "_record_memory_history"):
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
                 self._cuda_history = True
-        self._allocator = _AllocatorView(self.device)
+        self._allocator = (_AllocatorView if self.count_allocator else _NoAllocator)(self.device)
         self._allocator.begin()
         # Everything alive now (weights, optimizer state, buffers) enters at t = 0.
         for cat, tensors in [*self._scanned_tensors(), ("other", _plain_tensors(
