@@ -194,6 +194,7 @@ class Run:
         memory = self.tracer.save(a.out, ctx, title=f"{self.title} on {ctx.world_size} rank"
                                   f"{'s' if ctx.world_size > 1 else ''}: {a.model} model, batch "
                                   f"{a.global_batch_size} x {a.seq_len} tokens, {ctx.device.type}")
+        self.tracer.close()  # it lets go of the model and optimizer: nothing of this run outlives it
         comm = self.comm_by_rank()
         profiled = self.profile.save(a.out, ctx, f"{self.title}: compute and communication, steps "
                                      f"{self.profile.steps[0]}-{self.profile.steps[-1]}") if a.profile else None

@@ -255,3 +255,30 @@ def test_a_block_from_before_the_window_freed_inside_it_leaves_the_cpu_count():
             opt.step()
     r = tracer.result
     assert r["peak_bytes"] / r["allocator_peak_bytes"] == pytest.approx(1, abs=0.01), r["allocator_peak_bytes"]
+
+
+def test_runs_in_one_process_leave_nothing_of_each_other(tmp_path):
+    """Traced runs one after another in one process (tools/gpu_check.py, tools/multirun.py):
+    when a run returns, nothing of it is alive, without waiting for a collection (a reference
+    cycle through the tracer kept the model and AdamW's state until one: on CUDA, whose
+    allocator counts everything alive, the next run's peak then held 12-16 bytes a parameter
+    of every run before it). FSDP2's own cycles (module <-> FSDPParam) go with the collection
+    tools.multirun makes after every run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    scripts = ["step1_single_gpu/train.py", "step2_memory/train_amp.py", "step2_memory/train_amp_ac.py",
+               "step3_multi_gpu/train_ddp.py", "step3_multi_gpu/train_tp.py", "multirun:step3_multi_gpu/train_fsdp.py"]
+    r = subprocess.run([sys.executable, "tests/drivers/one_process.py", str(tmp_path), *scripts], cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "alive.json").read_text())
+    baseline = rows[0]
+    assert baseline["models"] == baseline["optimizers"] == 0
+    assert [row["script"] for row in rows[1:]] == scripts
+    for row in rows[1:]:
+        # nothing of the finished run: no model, no optimizer, no tensor beyond what was alive before
+        assert (row["models"], row["optimizers"], row["tensor_bytes"]) == (0, 0, baseline["tensor_bytes"]), row
+        assert row["after_collect"]["tensor_bytes"] == baseline["tensor_bytes"], row
+        assert row["frozen"] == 0, row  # the collector was given back everything frozen during the run

@@ -16,6 +16,7 @@ can pick up the first run's stale group. Keep such runs in separate jobs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import io
 import os
@@ -66,6 +67,11 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     finally:
         sys.argv = saved
         torch.set_num_threads(threads)
+        # Nothing of this run may reach into the next: a run that failed half-way leaves Python's
+        # collector frozen (common/measure/memory.py's StepCollector) and its objects to a
+        # collection; on a GPU the next run's allocator counters would start with them.
+        gc.unfreeze()
+        gc.collect()
     return code, err.getvalue()
 
 

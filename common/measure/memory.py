@@ -148,6 +148,10 @@ class StepCollector:
         self.objects: list[int] = []       # unreachable objects the collection found, per step
         self.tensor_bytes: list[int] = []  # bytes of the tensor storages among them, per step
         if enabled:
+            # Collect first: freezing moves what exists now out of every later collection,
+            # garbage included, and garbage frozen here (an earlier run's, in a process that
+            # runs several) would outlive every run after it.
+            gc.collect()
             gc.freeze()
 
     def collect(self):
@@ -173,8 +177,11 @@ class StepCollector:
             gc.freeze()
 
     def close(self):
+        """Give the objects frozen since the run began back to the collector, and collect: what
+        the run left in reference cycles goes now, not whenever Python collects next."""
         if self.enabled:
             gc.unfreeze()
+            gc.collect()
             self.enabled = False
 
 
@@ -358,13 +365,19 @@ class _Record:
 
 
 class _Mode(TorchDispatchMode):
+    """The tracer's eyes on every op. It holds its tracer by a weak reference: the tracer
+    holds the mode, and a strong reference back would make the two a reference cycle that
+    keeps the run's model and optimizer (which the tracer names) alive after the run ends,
+    until Python's cycle collector happens to run. In a process that runs several trainings
+    one after another, the next run's device memory would then start with this run's."""
+
     def __init__(self, tracer):
         super().__init__()
-        self.tracer = tracer
+        self.on_op = weakref.WeakMethod(tracer._on_op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracer._on_op(out, (args, kwargs))
+        self.on_op()(out, (args, kwargs))
         return out
 
 
@@ -437,8 +450,12 @@ class MemoryTracer:
         # TorchDispatchMode, and when it meets one it gives up on the frame for good, so
         # every later step of a --compile run ran eagerly too. The "force_eager" stance
         # keeps dynamo away from these steps and its compiled code for the others.
-        with _eager(), self._mode:
-            yield
+        try:
+            with _eager(), self._mode:
+                yield
+        except BaseException:
+            self._abandon()  # a step that raised: nothing of the tracer stays hooked into torch
+            raise
         self._set_phase(None)
         self._allocator.step_end()
         if step == self.start + self.steps - 1:
@@ -516,8 +533,9 @@ class MemoryTracer:
         torch.UntypedStorage.resize_ = resize_
         self._unpatch = lambda: setattr(torch.UntypedStorage, "resize_", resize)
 
-    def _end(self):
-        self._take_frees()
+    def _unhook(self):
+        """Take every hook, patch and reference cycle of the recording out of torch and the
+        optimizers (each hook is a bound method of the tracer: optimizer -> tracer -> optimizer)."""
         self.active = False
         for h in self._hooks + self._until_done:
             h.remove()
@@ -526,11 +544,33 @@ class MemoryTracer:
         if self._unpatch is not None:
             self._unpatch()
             self._unpatch = None
-        end = self._t
+        self._mode = None
         for rec in self._live.values():
-            rec.ref = None  # stop listening for frees
+            rec.ref = None  # stop listening for frees (each callback names the tracer)
         self._live.clear()
         self._watched.clear()
+
+    def _abandon(self):
+        """A traced step raised: stop recording, keep nothing."""
+        self._unhook()
+        self._records.clear()
+        self._samples.clear()
+        if self._cuda_history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._cuda_history = False
+        self._allocator = None
+
+    def close(self):
+        """Let go of the run: its models, optimizers and sources (a tracer kept by whoever holds
+        the run's results must not keep its model and optimizer state alive)."""
+        if self.active:
+            self._abandon()
+        self.models, self.optimizers, self.sources = [], [], []
+
+    def _end(self):
+        self._take_frees()
+        end = self._t
+        self._unhook()
         allocator_peak = self._allocator.end(self._seeded)
         if self._cuda_history:
             # Take the allocator's history now and stop recording: left on, it records a
