@@ -6,6 +6,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 from common import ROOT, checkpoint
 from common.errors import MADE_FOR_THIS_RUN, UserError
 from common.model import PRESETS, get_config
@@ -75,14 +77,23 @@ def parser(description: str | None) -> argparse.ArgumentParser:
 
 
 def use_expandable_segments(on: bool) -> None:
-    """--expandable-segments, before CUDA's allocator starts (it reads the setting once);
-    any other PYTORCH_CUDA_ALLOC_CONF options are kept."""
+    """--expandable-segments: set where CUDA's allocator reads it when it starts (the variable,
+    inherited by child processes too), and, in a process whose allocator has started already
+    (an earlier run of tools/gpu_check.py's or tools/multirun.py's shared process), set on the
+    running allocator, so that each run gets its own flag's setting, on or off; any other
+    PYTORCH_CUDA_ALLOC_CONF options are kept."""
     import os
-    if not on:
-        return
     conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c and
             not c.startswith("expandable_segments")]
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + ["expandable_segments:True"])
+    if on or _EXPANDABLE["set"]:  # off: undo only what an earlier run of this process set
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + (["expandable_segments:True"] if on else []))
+        # CUDA path: tests/test_cuda_paths.py::test_expandable_segments_reach_a_running_allocator
+        if torch.cuda.is_initialized():
+            torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+        _EXPANDABLE["set"] = on
+
+
+_EXPANDABLE = {"set": False}  # whether this process's --expandable-segments turned them on
 
 
 def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

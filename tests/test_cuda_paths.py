@@ -155,21 +155,56 @@ def test_what_an_older_gpu_refuses(monkeypatch):
 
 
 def test_peak_flops_by_gpu_name(monkeypatch):
-    """MFU's denominator: the dense bf16 peak by the GPU's name, most specific first (an H100
-    PCIe is not an SXM); TF32's for fp32 when TF32 matmuls are on; none for a CPU."""
+    """MFU's denominator: the dense peak by the GPU's exact name (an H100 PCIe or NVL is not an
+    SXM part, an H200 NVL not an H200), with the sheet it comes from; TF32's for fp32 when TF32
+    matmuls are on; none for a CPU or a GPU we have no sheet for."""
     from common.measure.metrics import peak_flops
 
     gpu = torch.device("cuda", 0)
-    for name, want in {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12,
-                       "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA GeForce RTX 4090": None}.items():
+    for name, want in {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+                       "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+                       "NVIDIA GeForce RTX 4090": None}.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
-        assert peak_flops(gpu, "bf16") == (want, name)
+        peak, got_name, source = peak_flops(gpu, "bf16")
+        assert (peak, got_name) == (want, name)
+        assert (source is None) == (want is None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200 NVL")
+    assert peak_flops(gpu, "bf16")[2] == "835 TFLOP/s, bf16 dense, H200 NVL data sheet"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert peak_flops(gpu, "fp32")[0] == 494.5e12
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert peak_flops(gpu, "fp32")[0] == 67e12
+    # (set and restored by hand: the flag is a property of torch's cuBLAS module, which
+    # monkeypatch's undo would delete, being no attribute of the object's own)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert peak_flops(gpu, "fp32")[0] == 494.5e12
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert peak_flops(gpu, "fp32")[0] == 67e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
+
+
+def test_expandable_segments_reach_a_running_allocator(monkeypatch):
+    """--expandable-segments in a process whose CUDA allocator has started (a shared process
+    running one run after another): set on the running allocator, and an earlier run's setting
+    undone for a run without the flag; before the allocator starts, the variable alone."""
+    import os
+
+    from common import cli
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(cli, "_EXPANDABLE", {"set": False})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    cli.use_expandable_segments(True)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True" and calls == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    cli.use_expandable_segments(False)  # the next run in the same process, without the flag
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and calls == ["expandable_segments:False"]
+    cli.use_expandable_segments(False)  # never set by us: nothing to undo
+    assert calls == ["expandable_segments:False"]
+    cli.use_expandable_segments(True)
+    assert calls[-1] == "expandable_segments:True"
 
 
 # ---- PowerSGD on a GPU machine whose ranks train on the CPU ----------------------------------

@@ -149,7 +149,7 @@ def main(argv=None):
         _, bare_syncs = counted(device, bare_loop, cfg, batch, seq_len, device, amp, False, 3)
         _, our_syncs = counted(device, script, model, batch, seq_len, device, amp, False, 1)
     overhead = bare / ours - 1
-    peak, name = peak_flops(device, args.amp if amp else "fp32")
+    peak, name, source = peak_flops(device, args.amp if amp else "fp32")
     per_token = flops_per_token(cfg, seq_len)
     lines = [f"  device          {name}",
              f"  bare loop       {bare:,.0f} tokens/s",
@@ -158,7 +158,7 @@ def main(argv=None):
              f"  host syncs      bare {bare_syncs}, script {our_syncs} per step (waits for the device, steady state)"]
     if peak:
         lines += [f"  MFU             bare {bare * per_token / peak:.1%}, script {ours * per_token / peak:.1%} "
-                  f"({per_token / 1e9:.2f} GFLOP a token against {peak / 1e12:,.0f} TFLOP/s)"]
+                  f"({per_token / 1e9:.2f} GFLOP a token against {source})"]
     else:
         lines += ["  MFU             n/a (no known peak for this device: the ratio above is the number to read)"]
     print("\n".join(lines), flush=True)

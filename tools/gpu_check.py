@@ -153,9 +153,22 @@ def worker(spec_path: str) -> None:
     from tools.multirun import run_script
 
     rank0 = os.environ.get("RANK", "0") == "0"
+    baseline = None  # what the CUDA allocator held before the launch's first run
     for run in json.loads(Path(spec_path).read_text()):
         if rank0:
             print(f"[gpu_check] start {run['name']}", flush=True)
+        # Each run must start from what the first one started from: CUDA's counters are absolute,
+        # so anything an earlier run left alive would be counted in this run's peak.
+        before = None
+        # CUDA path: no CPU test: the CUDA allocator's counter (tests/test_memory.py holds the same
+        # property on a CPU: nothing of a finished run is alive when the next starts)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            with contextlib.suppress(Exception):  # cuBLAS keeps a workspace per handle in the allocator
+                torch._C._cuda_clearCublasWorkspaces()
+            before = torch.cuda.memory_allocated()
+        baseline = before if baseline is None else baseline
         t = time.perf_counter()
         # A dry run's collectives, every one of the run, recorded with the devices of their
         # tensors (a dispatch mode slows every op: not for the timed runs).
@@ -169,12 +182,11 @@ def worker(spec_path: str) -> None:
             devices = {k: sorted(v) for k, v in recorder.devices.items()} if run["record_devices"] else None
             (out / "gpu_check_status.json").write_text(json.dumps(
                 {"code": code, "error": lines[-1][:300] if code and lines else None,
+                 "allocated_before_bytes": before, "baseline_bytes": baseline or 0,
                  "wall_s": time.perf_counter() - t, "collective_devices": devices,
                  "off_device": sorted(set(recorder.off_device)) if run["record_devices"] else []}))
             print(f"[gpu_check] done {run['name']} (exit {code})", flush=True)
         torch._dynamo.reset()  # the next run compiles its own model afresh: no recompile limit carried over
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 # ---- the orchestrator ---------------------------------------------------------------------
@@ -207,6 +219,12 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
     st = json.loads(status.read_text())
     if st["code"] != 0:
         return row | {"ok": False, "error": st["error"] or f"exit code {st['code']}"}
+    before = st.get("allocated_before_bytes")
+    row["allocated_before_bytes"] = before
+    if before is not None and before != st.get("baseline_bytes", 0):
+        return row | {"ok": False, "error": f"the run started with {before:,} bytes allocated, the launch's first run "
+                                             f"with {st['baseline_bytes']:,}: an earlier run's tensors were alive, and "
+                                             f"CUDA's counters would count them in this run's peak"}
     row["collective_devices"] = st.get("collective_devices")
     if st.get("off_device"):  # NCCL would refuse these tensors on a real node
         return row | {"ok": False, "error": f"collectives handed tensors off the run's device: "
@@ -221,6 +239,7 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
     unseen = (mem[0].get("unseen") or {}) if mem else {}
     cycles = (s.get("gc") or {}).get("tensor_bytes") or []
     return row | {"ok": True, "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s.get("mfu"),
+                  "peak_flops_source": s.get("peak_flops_source"),
                   "dtype": s.get("dtype"), "allocator_peak_bytes": allocator, "traced_peak_bytes": traced,
                   "unseen_max_bytes": unseen.get("max_bytes"), "alive_before_bytes": unseen.get("alive_before_bytes"),
                   "cycle_tensor_bytes_max": max(cycles, default=None), "final_loss": s["final_loss"]}
@@ -274,6 +293,9 @@ def markdown(report: dict) -> str:
         tps = "-" if dry else f"{r['tokens_per_s']:,.0f}"
         lines.append(f"| {r['name']} | {cmd} | {f'rank 0 of {dry}, alone' if dry else r['ranks']} | yes | "
                      f"{r['step_time_s'] * 1e3:.1f} ms | {tps} | {mfu} | {gib(a)} | {gib(t)} | {ratio} |")
+    sources = sorted({r["peak_flops_source"] for r in report["runs"] if r.get("mfu") and r.get("peak_flops_source")})
+    if sources:  # fp32 and bf16 runs are measured against different peaks: their MFUs do not compare
+        lines += ["", f"MFU: 6N + 12LdT FLOPs a token against the dense peak of each run's dtype: {'; '.join(sources)}."]
     gaps = [r for r in report["runs"] if r["ok"] and (r.get("unseen_max_bytes") or r.get("cycle_tensor_bytes_max"))]
     if gaps:
         lines += ["", "Where the allocator's bytes went that the trace did not see (rank 0): not seen by the trace at "

@@ -25,28 +25,37 @@ from common.measure.memory import fmt_bytes
 from common.measure.syncs import HostCopy
 from common.model import count_params, flops_per_token
 
-# Dense (no sparsity) peak FLOP/s per GPU from the vendor's data sheets. fp32 is the
+# Dense (no sparsity: half the sheet's "with sparsity" figure) peak FLOP/s per GPU, from the
+# vendor's data sheets, by the exact name CUDA reports. Not by substring: an "H100 NVL" or an
+# "H200 NVL" (835 TFLOP/s bf16) would pass for an SXM part (989) and read 15% low. fp32 is the
 # plain CUDA-core rate; tf32 applies to fp32 matmuls only when TF32 is switched on.
+_A100 = ("A100 data sheet", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12})
+_H100_SXM = ("H100 SXM data sheet", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12})
+_NVL = {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}
 PEAK_FLOPS = {
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
-    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+    "NVIDIA A100-SXM4-40GB": _A100, "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100, "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 PCIe": ("H100 PCIe data sheet", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    "NVIDIA H100 NVL": ("H100 NVL data sheet", _NVL),
+    "NVIDIA H200": ("H200 SXM data sheet", _H100_SXM[1]),
+    "NVIDIA H200 NVL": ("H200 NVL data sheet", _NVL),
 }
 
 
-def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s, device name); None where we do not know the device's peak."""
+def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str, str | None]:
+    """(peak FLOP/s, device name, where the peak comes from); (None, name, None) where we do
+    not know the device's peak."""
     # CUDA path: tests/test_cuda_paths.py::test_peak_flops_by_gpu_name
     if device.type != "cuda":
-        return None, cpu_name()
+        return None, cpu_name(), None
     name = torch.cuda.get_device_name(device)
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         dtype = "tf32"
-    for key in ("H100 PCIe", "H100", "H200", "A100"):  # most specific first
-        if all(part in name for part in key.split()):
-            return PEAK_FLOPS[key][dtype], name
-    return None, name
+    if name not in PEAK_FLOPS:
+        return None, name, None
+    sheet, peaks = PEAK_FLOPS[name]
+    return peaks[dtype], name, f"{peaks[dtype] / 1e12:,.1f} TFLOP/s, {dtype} dense, {sheet}".replace(".0 TFLOP", " TFLOP")
 
 
 def cpu_name() -> str:
@@ -81,7 +90,7 @@ class Metrics:
         self.n_params = n_params or count_params(self.cfg)
         self.tokens_per_step = args.global_batch_size * args.seq_len
         self.flops_per_step = flops_per_token(self.cfg, args.seq_len) * self.tokens_per_step
-        self.peak, self.device_name = peak_flops(ctx.device, dtype)
+        self.peak, self.device_name, self.peak_source = peak_flops(ctx.device, dtype)
         self.rows: list[dict] = []
         self.bar = None
         self._t = None  # the previous step's end (see _write)
@@ -290,6 +299,7 @@ class Metrics:
             **({"grad_norm": {"first": self.rows[0]["grad_norm"], "final": self.rows[-1]["grad_norm"],
                               "max": max(r.get("grad_norm", 0.0) for r in self.rows)}} if "grad_norm" in self.rows[0] else {}),
             "mfu": self.flops_per_step / dt / (self.peak * self.ctx.world_size) if self.peak else None,
+            "peak_flops": self.peak, "peak_flops_source": self.peak_source,
             "flops_per_token": flops_per_token(self.cfg, self.args.seq_len),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in self.rows),
             "peak_mem_source": self.rows[-1]["peak_mem_source"],
@@ -321,7 +331,8 @@ class Metrics:
             ("loss", f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"
                      + (f" (validation {s['val_loss']:.3f})" if s["val_loss"] is not None else "")),
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step"),
-            ("MFU", f"{s['mfu']:.1%}" if s["mfu"] else f"n/a (no known peak FLOP/s for {s['device_name']})"),
+            ("MFU", f"{s['mfu']:.1%} of {s['peak_flops_source']}" if s["mfu"] else
+             f"n/a (no known peak FLOP/s for {s['device_name']})"),
         ]
         for m in s["memory"]:
             who = f"rank {m['rank']} " if len(s["memory"]) > 1 else ""
