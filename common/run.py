@@ -82,6 +82,13 @@ class Run:
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel, can_save=checkpoints)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
+        # A checkpoint's optimizer brings its parameter groups, and with them the kernels it ran
+        # (fused or foreach): what runs now may not be what the flags asked for.
+        ran = optimizer_kernels(optimizer)
+        if ran != self.optimizer_kernels:
+            ctx.print(f"AdamW runs its {ran} kernels, as the checkpoint's optimizer did, not the {self.optimizer_kernels} "
+                      f"ones this run's flags ask for (--fused-adamw): a resumed optimizer keeps its kernels.")
+            self.optimizer_kernels = self.predict["optimizer"] = ran
         self.ckpt.listen()  # SIGTERM/SIGUSR1 (a cluster taking the nodes back): save one agreed step, stop
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)

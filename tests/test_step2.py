@@ -492,17 +492,24 @@ def test_selective_ac_recomputes_no_matmul_and_full_ac_a_forward():
     assert flops["full"] - flops["none"] == 2 * tokens * cfg.n_layers * (block - d * f)
 
 
-def test_step2_scripts_checkpoint_and_resume_exactly(monkeypatch, tmp_path):
+def test_step2_scripts_checkpoint_and_resume_exactly(monkeypatch, tmp_path, capsys):
     """Run saves and resumes step 2's runs as step 1's: a bf16 + AC + accumulation run whose
-    last checkpoint is lost redoes steps 2 and 3 from step 1's, with the same losses."""
+    last checkpoint is lost redoes steps 2 and 3 from step 1's, with the same losses. Its
+    AdamW ran fused; resumed without --fused-adamw it still runs fused (the checkpoint's
+    parameter groups say so), and the run says so and reports the kernels that ran."""
     import shutil
     flags = ["--grad-accum", "2", "--ckpt-every", "2", "--no-trace-memory", "--eval-batches", "0"]
-    rows, _ = run_main(monkeypatch, "train_accum", tmp_path, *flags, steps=4)
+    rows, _ = run_main(monkeypatch, "train_accum", tmp_path, *flags, "--fused-adamw", steps=4)
+    assert json.loads((tmp_path / "summary.json").read_text())["optimizer_kernels"] == "fused"
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")  # as if the run had died after step 2
+    capsys.readouterr()
     again, _ = run_main(monkeypatch, "train_accum", tmp_path, *flags, "--resume", steps=4)
     assert [r["step"] for r in again] == [0, 1, 2, 3]
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]  # steps 0-1 kept, 2-3 redone bit for bit
     assert [r["grad_norm"] for r in again[2:]] == [r["grad_norm"] for r in rows[2:]]
+    said = capsys.readouterr().out
+    assert "AdamW runs its fused kernels, as the checkpoint's optimizer did, not the " in said
+    assert json.loads((tmp_path / "summary.json").read_text())["optimizer_kernels"] == "fused"
 
 
 def test_fp16_with_checkpoints_is_refused(monkeypatch, tmp_path, capsys):
