@@ -28,7 +28,7 @@ from common.measure.theory import Plan, predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
 from conftest import hang_limit
-from tests.tolerances import check_bf16_parity, check_optimizer_path, dry_runs
+from tests.tolerances import check_allocator, check_bf16_parity, check_optimizer_path, dry_runs
 
 TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -227,9 +227,10 @@ def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     """The trace held to the CPU allocator's own count on every rank, and on the dry run
     of the case where there is one: the peaks within 1% (the all-to-alls' buffers inside
     gloo are counted apart: common/measure/memory.py, _AllocatorView)."""
-    ratios = [m["peak_bytes"] / m["allocator_peak_bytes"] for m in runs[n][name]["summary"]["memory"]]
-    ratios += [m["peak_bytes"] / m["allocator_peak_bytes"] for m in dry[name]["memory"]] if name in DRY else []
-    assert all(x == pytest.approx(1, abs=0.01) for x in ratios), [round(x, 4) for x in ratios]
+    mems = runs[n][name]["summary"]["memory"] + (dry[name]["memory"] if name in DRY else [])
+    assert len(mems) == n + (name in DRY)
+    for m in mems:
+        check_allocator(m, (name, m["rank"]))
 
 
 @pytest.mark.parametrize("n,name", ERR, ids=[f"{n}ranks-{name}" for n, name in ERR])

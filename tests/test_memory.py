@@ -211,8 +211,33 @@ def test_the_cpu_count_keeps_gloos_buffers_apart_and_survives_frees_it_never_saw
         _mem(30, 0xA, 70),          # 0xA again, its free never seen: the 100 bytes are gone
         _mem(31, 0xD, 10),
     ]
-    assert _cpu_count(events, main=1) == (150, 400)  # 100, +50: the peak, -50, -100 +70, +10
-    assert _cpu_count([_mem(1, 0xA, 100), _mem(2, 0xA, 100), _mem(3, 0xA, 100)], main=1) == (100, 0)
+    top, gloos, unseen = _cpu_count(events, main=1)
+    assert (top, gloos) == (150, 400)  # 100, +50: the peak, -50, -100 +70, +10
+    assert _cpu_count([_mem(1, 0xA, 100), _mem(2, 0xA, 100), _mem(3, 0xA, 100)], main=1)[:2] == (100, 0)
+
+
+def test_the_cpu_count_names_what_the_trace_did_not_see_at_its_peak():
+    """At the allocator's peak, the blocks the trace never saw (no tensor an op returned had
+    their address while they held it), by the innermost op that allocated them: a matmul's
+    workspace is what separates the two peaks, whatever its size on this CPU."""
+    from common.measure.memory import _cpu_count
+    events = [
+        {"ph": "X", "name": "aten::linear", "tid": 1, "ts": 10, "dur": 10},
+        {"ph": "X", "name": "aten::mm", "tid": 1, "ts": 11, "dur": 8},
+        _mem(1, 0xA, 100),   # an activation the trace saw (at time 2)
+        _mem(12, 0xB, 64),   # the matmul's output, seen when the op returned (time 19)
+        _mem(13, 0xC, 32),   # its workspace: never an op's output
+        _mem(15, 0xD, 16),   # 0xD: the trace saw this address, but for a block long gone (time 0)
+        _mem(16, 0xD, -16),
+        _mem(17, 0xC, -32),
+        _mem(30, 0xB, -64),
+    ]
+    seen = [(0xA, 2.0), (0xB, 19.0), (0xD, 0.0)]
+    top, _, unseen = _cpu_count(events, main=1, seen=seen)
+    assert top == 100 + 64 + 32 + 16  # the peak: all four alive at time 15
+    assert unseen == {"bytes": 48, "by_op": {"aten::mm": 48}}  # the workspace and 0xD's block, seen at no time of theirs
+    seen.append((0xD, 15.5))
+    assert _cpu_count(events, main=1, seen=seen)[2] == {"bytes": 32, "by_op": {"aten::mm": 32}}
 
 
 def test_a_free_on_another_thread_does_not_inflate_the_cpu_allocator_peak():

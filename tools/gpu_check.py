@@ -233,13 +233,16 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
     mem = s.get("memory") or [{}]
     traced = max((m.get("peak_bytes") or 0 for m in mem), default=0) or None
     allocator = max((m.get("allocator_peak_bytes") or 0 for m in mem), default=0) or None
+    # (CPU: what the allocator's count held at its peak that the trace never saw, by op)
+    missed = max(mem, key=lambda m: (m.get("allocator_unseen_at_peak") or {}).get("bytes") or 0)
+    missed = missed.get("allocator_unseen_at_peak") if mem else None
     # What the allocator held that the trace did not see (rank 0), and what reference cycles
     # held from one step to the next (the collector frees them before each step): the two
     # numbers that say where an allocator/trace gap comes from
     unseen = (mem[0].get("unseen") or {}) if mem else {}
     cycles = (s.get("gc") or {}).get("tensor_bytes") or []
     return row | {"ok": True, "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s.get("mfu"),
-                  "peak_flops_source": s.get("peak_flops_source"),
+                  "peak_flops_source": s.get("peak_flops_source"), "allocator_unseen_at_peak": missed,
                   "dtype": s.get("dtype"), "allocator_peak_bytes": allocator, "traced_peak_bytes": traced,
                   "unseen_max_bytes": unseen.get("max_bytes"), "alive_before_bytes": unseen.get("alive_before_bytes"),
                   "cycle_tensor_bytes_max": max(cycles, default=None), "final_loss": s["final_loss"]}

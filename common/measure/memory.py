@@ -16,6 +16,12 @@ it tells us when it is freed. Each storage is then put in one category:
   makes it outside any op, so the checkpointer hands it over: ``tag``), from the copy
   until its background write ends. It is host memory: in the trace of a CPU run only.
 
+Under FSDP's CPU offload (``offloaded_state``, set by common/parallelize/fsdp.py) the model
+state the walk finds (parameter shards, their gradients, AdamW's state) is host memory. On a
+GPU the trace never sees it (it follows the GPU's storages only): its bytes are read apart
+when the optimizer step begins. On a CPU the host is the traced device: the categories hold
+it as before, and the result also says what the device would hold without it.
+
 The phase of each op is known without the training loop's help: backward ops run inside
 an autograd graph task, optimizer ops between the optimizer's step hooks, and the rest is
 forward, except what names its own phase (gradient clipping, between backward and the
@@ -233,6 +239,7 @@ class _AllocatorView:
         self.start_bytes = None  # CUDA: allocated when the window began
         self._prof = None
         self.collective_bytes = None  # CPU: the largest block gloo made inside a collective
+        self.unseen_at_peak = None  # CPU: {"bytes", "by_op"} alive at the peak, unseen by the trace
         self._frees_elsewhere: list[tuple[int, int]] = []  # CPU: (time in ns, address)
         self._seeded_frees: list[tuple[int, int, int]] = []  # CPU: (time in ns, address, bytes)
 
@@ -280,7 +287,11 @@ class _AllocatorView:
         # CUDA path: no CPU test: as in begin()
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
-    def end(self, seeded: int) -> int:
+    def end(self, seeded: int, seen=()) -> int:
+        """The allocator's peak over the window. ``seen``: (address, time in ns) of every block
+        the trace saw made in it. On a CPU, the blocks alive at the allocator's peak that the
+        trace never saw are kept in ``unseen_at_peak``, by the op that allocated them: what
+        the trace misses, and why (a matmul's workspace, say)."""
         if self._prof is not None:
             with _quiet_stderr():
                 self._prof.__exit__(None, None, None)
@@ -296,7 +307,8 @@ class _AllocatorView:
                         "args": {"Addr": address, "Bytes": -nbytes, "Device Type": 0, "seeded": True}}
                        for ns, address, nbytes in self._seeded_frees]
             self._prof = None
-            top, self.collective_bytes = _cpu_count(events, self._tid)
+            seen_us = [(address, (ns - base) / 1000) for address, ns in seen]
+            top, self.collective_bytes, self.unseen_at_peak = _cpu_count(events, self._tid, seen_us)
             self.peak = seeded + top
         return self.peak
 
@@ -320,48 +332,87 @@ class _NoAllocator(_AllocatorView):
         return None
 
 
-def _cpu_count(events: list[dict], main: int) -> tuple[int, int]:
+def _cpu_count(events: list[dict], main: int, seen=()) -> tuple[int, int, dict | None]:
     """The highest running sum of a profiler trace's CPU allocations and frees, the blocks
-    gloo allocates for a collective left out (see _AllocatorView), and the largest of those.
-    ``main``: the thread that ran the steps (its ``tid`` in the trace)."""
+    gloo allocates for a collective left out (see _AllocatorView); the largest of those; and
+    the blocks alive at the highest sum that the trace never saw, by the innermost op of the
+    main thread that allocated them. ``main``: the thread that ran the steps (its ``tid`` in
+    the trace). ``seen``: (address, time in the trace's microseconds) of the blocks the trace
+    saw: a block is the trace's if it saw that address while the block held it."""
     spans: list[tuple[float, float]] = []  # (start, end) of each c10d op the main thread called
+    ops: list[tuple[float, float, str]] = []  # (start, end, name) of every op of the main thread
     memory = []
     for e in events:
-        if e.get("ph") == "X" and e["tid"] == main and e["name"].startswith("c10d::"):
-            spans.append((e["ts"], e["ts"] + e.get("dur", 0)))
+        if e.get("ph") == "X" and e["tid"] == main:
+            ops.append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+            if e["name"].startswith("c10d::"):
+                spans.append(ops[-1][:2])
         elif e.get("name") == "[memory]" and e["args"].get("Device Type") == 0:
             memory.append(e)
     memory.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    live: dict[int, tuple[int, bool]] = {}  # address: (bytes, made inside a collective)
-    running = top = largest = 0
-    for e in memory:
-        addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
-        if nbytes > 0:
-            old = live.pop(addr, None)
-            if old is not None and not old[1]:
-                running -= old[0]  # freed where the profiler does not look: gone by now
-            inside = e["tid"] != main or any(a <= e["ts"] <= b for a, b in spans)
-            live[addr] = (nbytes, inside)
-            if inside:
-                largest = max(largest, nbytes)
-            else:
+
+    def walk(stop: int = -1):
+        live: dict[int, tuple[int, bool, float]] = {}  # address: (bytes, made inside a collective, when)
+        running = top = largest = 0
+        at = -1
+        for i, e in enumerate(memory):
+            addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+            if nbytes > 0:
+                old = live.pop(addr, None)
+                if old is not None and not old[1]:
+                    running -= old[0]  # freed where the profiler does not look: gone by now
+                inside = e["tid"] != main or any(a <= e["ts"] <= b for a, b in spans)
+                live[addr] = (nbytes, inside, e["ts"])
+                if inside:
+                    largest = max(largest, nbytes)
+                else:
+                    running += nbytes
+                    if running > top:
+                        top, at = running, i
+            elif e["args"].get("seeded"):  # a block from before the window: it was in no running sum
                 running += nbytes
-                top = max(top, running)
-        elif e["args"].get("seeded"):  # a block from before the window: it was in no running sum
-            running += nbytes
-        else:
-            old = live.pop(addr, None)
-            if old is not None and not old[1]:
-                running -= old[0]
-    return top, largest
+            else:
+                old = live.pop(addr, None)
+                if old is not None and not old[1]:
+                    running -= old[0]
+            if i == stop:
+                return {a: (b, ts) for a, (b, inside, ts) in live.items() if not inside}
+        return top, largest, at
+
+    top, largest, at = walk()
+    if at < 0:
+        return top, largest, None
+    by_address: dict[int, list[float]] = {}
+    for address, us in seen:
+        by_address.setdefault(address, []).append(us)
+    # when each block's address next changed hands after it was allocated (its free, or a new block)
+    until: dict[tuple[int, float], float] = {}
+    last: dict[int, float] = {}
+    for e in reversed(memory):
+        addr = e["args"]["Addr"]
+        if e["args"]["Bytes"] > 0:
+            until[(addr, e["ts"])] = last.get(addr, float("inf"))
+        last[addr] = e["ts"]
+    unseen: dict[str, int] = {}
+    for addr, (nbytes, ts) in walk(stop=at).items():
+        end = until.get((addr, ts), float("inf"))
+        if any(ts <= us <= end for us in by_address.get(addr, ())):
+            continue
+        inner = [(b - a, name) for a, b, name in ops if a <= ts <= b]
+        name = min(inner)[1] if inner else "(no op)"
+        unseen[name] = unseen.get(name, 0) + nbytes
+    return top, largest, {"bytes": sum(unseen.values()), "by_op": unseen}
 
 
 class _Record:
-    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address", "pre")
+    __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address", "pre", "ns", "host")
 
     def __init__(self, nbytes, alloc, address=None, pre=False):
         self.nbytes, self.alloc, self.free, self.address, self.pre = nbytes, alloc, None, address, pre
         self.category, self.activation, self.ref = None, False, None
+        # when the trace first saw the block (the CPU count matches its blocks to the trace's by address and time)
+        self.ns = 0 if pre else time.time_ns()
+        self.host = False  # offloaded model state (offloaded_state): host memory
 
 
 class _Mode(TorchDispatchMode):
@@ -432,6 +483,9 @@ class MemoryTracer:
         self._freed_elsewhere: list = []
         self._allocator = None  # _AllocatorView, while recording
         self._samples: list[tuple[int, int]] = []  # (event, bytes the CUDA allocator held then)
+        # FSDP's CPU offload: the walked model state lives on the host (see the module notes)
+        self.offloaded_state = False
+        self._host_state: dict[str, int] = {}  # its bytes by category when the optimizer step began
 
     # ---- what the training loop calls -------------------------------------------------
     def will_record(self, step: int) -> bool:
@@ -518,6 +572,8 @@ class MemoryTracer:
                 rec = self._track(t, preexisting=True)
                 if rec is not None and rec.category is None:
                     rec.category = cat
+                if rec is not None and self.offloaded_state and cat in _SCANNED:
+                    rec.host = True
         # (what was alive before the window: the first block the window allocates enters at t = 0 too)
         self._seeded = sum(r.nbytes for r in self._records)
         self._mode = _Mode(self)
@@ -571,7 +627,7 @@ class MemoryTracer:
         self._take_frees()
         end = self._t
         self._unhook()
-        allocator_peak = self._allocator.end(self._seeded)
+        allocator_peak = self._allocator.end(self._seeded, [(r.address, r.ns) for r in self._records if r.ns])
         if self._cuda_history:
             # Take the allocator's history now and stop recording: left on, it records a
             # stack trace for every allocation of every later step (compiled steps ran 2.3x
@@ -587,6 +643,7 @@ class MemoryTracer:
         self.result["allocator_reserved_bytes"] = (torch.cuda.max_memory_reserved(self.device)
                                                    if self.device.type == "cuda" else None)
         self.result["allocator_collective_bytes"] = self._allocator.collective_bytes
+        self.result["allocator_unseen_at_peak"] = self._allocator.unseen_at_peak
         self._records.clear()
         self._samples.clear()
         self._allocator = None
@@ -608,6 +665,8 @@ class MemoryTracer:
                 rec = self._live.get(self._key(t))
                 if rec is not None and rec.category is None:
                     rec.category = cat
+                if rec is not None and self.offloaded_state:
+                    rec.host = True
 
     def _key(self, t):
         return t.untyped_storage()._cdata
@@ -645,7 +704,7 @@ class MemoryTracer:
                 self._on_free(key)  # the old size is gone, a new one (if any) starts now
                 rec = None
             if rec is None and st.nbytes() > 0:
-                rec = _Record(st.nbytes(), self._t)
+                rec = _Record(st.nbytes(), self._t, st.data_ptr())
                 self._t += 1
                 rec.category = cat
                 rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
@@ -694,6 +753,10 @@ class MemoryTracer:
 
     def _optimizer_pre(self, *_):
         self._scan()  # backward is over: gradients are in p.grad now
+        if self.offloaded_state:  # the host's share, traced or not (a GPU run traces the GPU only)
+            self._host_state = dict.fromkeys(_SCANNED, 0)
+            for cat, tensors in self._scanned_tensors():
+                self._host_state[cat] += _storage_bytes([t for t in tensors if t.device.type == "cpu"])
         self._in_optimizer = True
         self._set_phase("optimizer")
 
@@ -748,12 +811,14 @@ class MemoryTracer:
         n = end + 1
         cats = CATEGORIES + tuple(c for c in EXTRA_CATEGORIES if any(r.category == c for r in self._records))
         deltas = np.zeros((len(cats), n + 1), dtype=np.int64)
+        host = np.zeros_like(deltas)  # the offloaded model state's share (a CPU run's), apart
         for rec in self._records:
             cat = rec.category or ("activations" if rec.activation else "other")
             i = cats.index(cat)
-            deltas[i, rec.alloc] += rec.nbytes
-            if rec.free is not None:
-                deltas[i, rec.free] -= rec.nbytes
+            for d in (deltas, host) if rec.host else (deltas,):
+                d[i, rec.alloc] += rec.nbytes
+                if rec.free is not None:
+                    d[i, rec.free] -= rec.nbytes
         live = np.cumsum(deltas[:, :n], axis=1)
         total = live.sum(0)
         peak_at = int(total.argmax())
@@ -762,6 +827,17 @@ class MemoryTracer:
         before_opt = max(opt_start[-1] - 1, 0) if opt_start else None
         series = _downsample(live, peak_at, cats)
         unseen = self._unseen(total, series["event"])
+        offloaded = None
+        if self.offloaded_state:  # what the device holds: the trace less the host's share
+            # CUDA path: no CPU test: a GPU run's trace follows the GPU's storages only, so the host's share is
+            # never in it (host_in_trace False, and the walk's sum is all there is of it); the report's use of
+            # either case is tests/test_estimate.py::test_report_holds_an_offloaded_run_to_the_device_and_the_host
+            device = live - np.cumsum(host[:, :n], axis=1)
+            offloaded = {"host_in_trace": self.device.type == "cpu", "host_before_optimizer": self._host_state,
+                         "device_before_optimizer": None if before_opt is None else
+                         {c: int(device[i, before_opt]) for i, c in enumerate(cats)},
+                         "device_peak_by_category": {c: int(device[i].max()) for i, c in enumerate(cats)},
+                         "device_peak_bytes": int(device.sum(0).max())}
         return {
             "device": str(self.device),
             "events": n,
@@ -776,6 +852,7 @@ class MemoryTracer:
             "steps": self.step_marks,
             "series": series | ({UNSEEN: unseen.pop("series")} if unseen else {}),
             **({"unseen": unseen} if unseen else {}),
+            **({"offloaded": offloaded} if offloaded else {}),
         }
 
     def _unseen(self, total: np.ndarray, events: list[int]) -> dict | None:

@@ -308,6 +308,7 @@ class Metrics:
                         "allocator_peak_bytes": m["allocator_peak_bytes"], "unseen": m.get("unseen"),
                         "allocator_reserved_bytes": m.get("allocator_reserved_bytes"),
                         "allocator_collective_bytes": m.get("allocator_collective_bytes"),
+                        "allocator_unseen_at_peak": m.get("allocator_unseen_at_peak"),
                         "before_optimizer": m.get("before_optimizer")} for m in memory or []],
             **extra,
         }
@@ -339,8 +340,12 @@ class Metrics:
             lines.append((f"{who}peak memory", f"{fmt_bytes(m['peak_bytes'])}, made of " + " + ".join(
                 f"{c} {fmt_bytes(b)}" for c, b in m["at_peak"].items() if b) + " at that moment"))
             if m["allocator_peak_bytes"]:
+                unseen = m.get("allocator_unseen_at_peak") or {}
+                why = (", the allocator's peak holds " + ", ".join(
+                    f"{fmt_bytes(b)} made inside {op}" for op, b in sorted(unseen["by_op"].items(), key=lambda kv: -kv[1])[:3])
+                    + " that no op returned") if unseen.get("bytes") else ""
                 lines.append((f"{who}allocator peak", f"{fmt_bytes(m['allocator_peak_bytes'])} (traced / allocator "
-                              f"{m['peak_bytes'] / m['allocator_peak_bytes']:.3f})"))
+                              f"{m['peak_bytes'] / m['allocator_peak_bytes']:.3f}{why})"))
             if m.get("allocator_collective_bytes"):  # (CPU: see common/measure/memory.py, _AllocatorView)
                 lines.append((f"{who}gloo's own buffers", f"up to {fmt_bytes(m['allocator_collective_bytes'])} a "
                               "collective, outside the trace and the allocator peak (NCCL keeps its own outside PyTorch's allocator)"))
