@@ -238,6 +238,35 @@ def test_save_weights_sends_one_copy_of_each_stage(runs, n, name):
     assert r["weights_sent"] == 0 and r["weights_received"] == sum(sent.values())
 
 
+PIPELINES = [(n, name) for n, name in OK_CASES if name.startswith(("pp", "3d"))]
+
+
+@pytest.mark.parametrize("n,name", PIPELINES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in PIPELINES])
+def test_save_weights_sends_one_tensor_at_a_time(runs, n, name):
+    """--save-weights under a pipeline: a sending rank gathers its next tensor only after
+    rank 0 has said "ready" for it, which rank 0 does once the tensor before has arrived, so
+    at most one gathered tensor is on its way at any time. On NCCL a send returns before
+    the data leaves and holds the tensor until rank 0 receives it, which it does only after
+    gathering its own stage: without the handshake the sender held its whole stage (8b over
+    2 stages: ~14 GB). gloo's send blocks, so the count is our code's (checkpoint.IN_FLIGHT:
+    bytes gathered since the last "ready"), and the readies are counted by the driver."""
+    r = result(runs, n, name)
+    assert r["exit_code"] == 0, r["stderr_tail"]
+    per_stage = WORLD[n] // r["summary"]["parallel"]["pp"]  # (every case here is a pipeline)
+    senders = range(per_stage, WORLD[n], per_stage)
+    largest = r["weight_largest_bytes"]
+    for rank in range(1, WORLD[n]):
+        got = runs["others"][n][rank][name]
+        if rank in senders:  # one "ready" per tensor it sends, and never two tensors on the way
+            assert 0 < got["weights_peak_in_flight"] <= largest, (rank, got["weights_peak_in_flight"], largest)
+            assert got["readies_received"] > 0
+        else:
+            assert got["weights_peak_in_flight"] == got["readies_received"] == 0, rank
+    assert r["readies_sent"] == r["weight_tensors_received"] == sum(
+        runs["others"][n][rank][name]["readies_received"] for rank in senders)
+    assert r["weights_peak_in_flight"] == 0  # rank 0 keeps what it gathers: nothing is on its way
+
+
 CURVES = [(n, c["name"]) for n, cs in CASES.items() for c in cs if "--eval-every" in c["flags"]]
 
 
@@ -315,8 +344,8 @@ def test_a_dry_run_holds_and_sends_what_its_rank_does(runs, dry, n, name):
 
 # Where the trace misses part of what the CPU allocator counts, the count names the blocks it
 # missed (tolerances.check_allocator). bf16 3-D: the CPU's bf16 matmul keeps a workspace of its
-# own inside the op. TP: the allocator's peak falls in AdamW's step over DTensors, whose
-# temporaries DTensor's dispatch makes and drops inside one op (the trace sees the op's result).
+# own inside the op. TP: temporaries that DTensor's dispatch makes and drops inside one op
+# (the trace sees what the op returns).
 TRACED_CASES = [pytest.param(n, c["name"], id=f"{WORLD[n]}ranks-{c['name']}")
                 for n, cs in CASES.items() for c in cs if "--trace-start" in c["flags"]]
 
