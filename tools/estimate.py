@@ -62,9 +62,9 @@ DRY_TRACED = {"ep": "a mixture of experts cannot be traced under fake tensors (t
 # (step1_single_gpu/train.py), 1b_amp (step2_memory/train_amp.py --amp bf16), 1b_amp_sac and
 # 1b_amp_ac (step2_memory/train_amp_ac.py --amp bf16 --ac selective / full). Keys: (dtype, ac);
 # values: (GiB, the GPU). fp32 and bf16 from the NVIDIA H200 (figs/gpu_check_h200.md), the AC rows
-# from the NVIDIA H100 80GB HBM3 (the H200's eager AC runs kept recomputed blocks across steps,
-# which the allocator's peak counts and no formula does). tests/test_estimate.py holds the formulas
-# to them.
+# from the NVIDIA H100 80GB HBM3 (the H200's eager AC rows also held earlier runs of the same
+# process, which a reference cycle through the memory tracer kept alive: not their own peak).
+# tests/test_estimate.py holds the formulas to them.
 GPU_1B_PEAKS = {("fp32", "none"): (35.60, "H200"), ("bf16", "none"): (25.38, "H200"),
                 ("bf16", "selective"): (20.35, "H100"), ("bf16", "full"): (18.21, "H100")}
 
