@@ -1,4 +1,4 @@
-"""The model as it was before it was made lean (issue 25), written plainly, for parity tests.
+"""The model as it was before it was made lean, written plainly, for parity tests.
 
 RMSNorm in fp32 by hand, RoPE on the even/odd elements with fp32 half-width tables cast
 per call, k/v heads copied for grouped-query attention. It takes the lean model's state

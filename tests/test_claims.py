@@ -1,4 +1,4 @@
-"""Claims of the README's prose that a number can prove (issue 26, "every claim right").
+"""Claims of the README's prose that a number can prove ("every claim right").
 
 One 2-rank gloo launch (tests/drivers/claims.py) for the distributed facts; the rest run in
 this process in a few seconds. Each test prints the number the README quotes (pytest -s).
@@ -274,7 +274,7 @@ def test_autocast_keeps_one_weight_copy_per_region():
     assert got == {"a region per forward": 4, "one region around all": 1}
 
 
-# ---- issue 45: the step-time model's numbers, and the facts the pages add --------------------
+# ---- the step-time model's numbers, and the facts the pages add ------------------------------
 def _bytes_per_parameter(fused: bool) -> tuple[float, float, list[str]]:
     """(clipping's, AdamW's) bytes read and written per parameter, and AdamW's kernels, counted
     at the dispatcher on the real ops (foreach=True is CUDA's default path, fused=True

@@ -1,6 +1,6 @@
 """CUDA's code paths, taken on a CPU.
 
-On 2026-11-26 a GPU node found bugs that hundreds of green CPU tests never saw: code that
+A GPU node once found bugs that hundreds of green CPU tests never saw: code that
 chooses its path by device, whose CUDA side no CPU run takes. Two defences live here:
 
 - every place in the training code that branches on the device says, beside the branch,

@@ -111,7 +111,7 @@ def test_bad_config_is_a_clear_error():
         get_config("debug", n_kv_heads=3)
 
 
-# ---- the lean model (issue 25) computes what the plain one did ----------------------------
+# ---- the lean model computes what the plain one did ------------------------------------------
 def _model_with_random_gains(cfg, seed=0):
     model = build_model(cfg, "cpu", seed=seed)
     with torch.no_grad():  # gains of 1 would hide a norm that forgot its weight
@@ -157,9 +157,9 @@ def test_lean_model_matches_transformers_llama():
 
 
 def test_block_op_count_stays_under_its_ceiling():
-    """Issue 25: one block's forward + backward under bf16 autocast, kernels counted.
+    """The lean block: one block's forward + backward under bf16 autocast, kernels counted.
 
-    On CPU our block runs 111 kernels (139 before issue 25; the GPT-2 yardstick 51).
+    On CPU our block runs 111 kernels (139 before it was made lean; the GPT-2 yardstick 51).
     The count follows the code, not the width, so the debug width is counted (125m's
     gives the same 111). The ceiling leaves no room for bringing back per-call RoPE
     casts (+4), copied k/v heads (+2) or one cast per projection input (+3); dtype copies
@@ -176,7 +176,7 @@ def test_block_op_count_stays_under_its_ceiling():
     assert plain.n_ops <= 112, plain.ops
     assert plain.ops["_to_copy"] <= 20, plain.ops
     assert "repeat_interleave" not in plain.ops and "index" not in plain.ops, plain.ops
-    # With RMSNorm one kernel each way, as on CUDA: within issue 25's 1.5x of GPT-2's block.
+    # With RMSNorm one kernel each way, as on CUDA: within the target's 1.5x of GPT-2's block.
     fused = count_block(block, cfg.dim, batch=2, seq=32, rope=rope, fused_norm=True)
     yard = count_block(GPT2Block(cfg.dim, cfg.n_heads), cfg.dim, batch=2, seq=32)
     assert fused.n_ops <= 1.5 * yard.n_ops, (fused.n_ops, yard.n_ops)

@@ -1,4 +1,4 @@
-"""The harness asks the device for nothing in a steady-state step (issue 17: 8.8% overhead).
+"""The harness asks the device for nothing in a steady-state step (host syncs were most of an 8.8% overhead).
 
 Every ``.item()`` (``float(t)``, ``bool(t)``, ``.tolist()``) of a step's own result makes
 the host wait for the GPU to finish that step before it can queue the next. The harness

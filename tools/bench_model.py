@@ -8,7 +8,7 @@ and does almost no arithmetic, so its time is memory traffic plus a kernel launc
 ``torch.compile`` fuses them away, eager mode pays for every one. This counts them.
 
 What is counted, over one block's forward and backward under bf16 autocast at 125m's
-width, batch 2 x 256, the input and parameters requiring gradients (issue 25's set-up):
+width, batch 2 x 256, the input and parameters requiring gradients (the set-up the targets below were set for):
 
 - **ops**: aten ops that run a kernel, as a ``TorchDispatchMode`` sees them. Ops whose
   outputs are views of their inputs (view, transpose, t, expand, slice, detach,
@@ -51,7 +51,7 @@ from common.errors import UserError, main_guard
 from common.model import PRESETS, ModelConfig, Transformer, TransformerBlock, get_config
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
-TARGET_OPS, TARGET_BYTES = 1.5, 1.4   # issue 25's targets, ratios to the GPT-2 block
+TARGET_OPS, TARGET_BYTES = 1.5, 1.4   # the lean block's targets, ratios to the GPT-2 block
 
 
 def _is_matmul(name: str) -> bool:
@@ -272,7 +272,7 @@ def main(argv=None):
         print(f"{label:36s} {c.n_ops:5d} {c.n_ops / yard.n_ops:8.2f} {c.n_bytes / mib:15.1f} "
               f"{c.n_bytes / yard.n_bytes:8.2f} {wb / mib:18.1f} MiB")
     ours = rows[-1][1]
-    print(f"targets (issue 25): ops <= {TARGET_OPS}x, bytes <= {TARGET_BYTES}x the yardstick's; "
+    print(f"targets: ops <= {TARGET_OPS}x, bytes <= {TARGET_BYTES}x the yardstick's; "
           f"here {ours.n_ops / yard.n_ops:.2f}x and {ours.n_bytes / yard.n_bytes:.2f}x")
     print("our block's ops:", ", ".join(f"{k} {v}" for k, v in ours.ops.most_common()))
 
@@ -291,7 +291,7 @@ def main(argv=None):
         mode = "compiled" if compiled else "eager"
         a, b = times[compiled]
         print(f"  {mode:9s} ours {a:7.1f} ms   GPT-2 {b:7.1f} ms   ratio {a / b:.2f}")
-    print("target (issue 25): eager ratio <= 1.15")
+    print("target: eager ratio <= 1.15")
 
 
 if __name__ == "__main__":

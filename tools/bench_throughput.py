@@ -43,7 +43,7 @@ from common.model import flops_per_token
 from common.model import build_model, get_config  # noqa: E402
 from common.training import adamw
 
-SCALES = {  # (model, batch, seq_len): issue 17's two GPU set-ups, and one a CPU runs in seconds
+SCALES = {  # (model, batch, seq_len): the two GPU set-ups the throughput targets name, and one a CPU runs in seconds
     "125m": ("125m", 12, 1024),
     "1b": ("1b", 4, 2048),
     "toy": ("small", 8, 128),

@@ -4,7 +4,7 @@ A GPU runs what the host queues, in order, while the host goes on queuing. Anyth
 that needs a device value on the host (``loss.item()``, ``float(t)``, ``if t:``, a
 blocking copy) makes the host wait until the GPU has run everything queued so far; the
 GPU then idles while the host queues the next step's first kernels. One such wait per
-step was most of the harness's 8.8% overhead over a bare loop on an H100 (issue 17).
+step was most of the harness's 8.8% overhead over a bare loop on an H100.
 
 ``SyncCounter`` counts them, per optimizer step (the progress loop marks the steps):
 - on CUDA, with ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising CUDA call
