@@ -85,7 +85,7 @@ def main():
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
-                    x, y = (local_tokens(t, ring).to(ctx.device, non_blocking=True) for t in (x, y))  # my positions
+                    x, y = (local_tokens(t, ring, ctx.device) for t in (x, y))  # the (pinned) batch, then my positions
                     last = micro == args.grad_accum - 1  # reduce the gradients once per optimizer step
                     if args.fsdp:
                         model.set_requires_gradient_sync(last)

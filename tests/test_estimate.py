@@ -304,3 +304,59 @@ def test_saved_tensor_census_of_one_block_is_the_formula(amp):
     assert c["total"] == theory.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
     d, kv, f = SMALL.dim, SMALL.n_kv_heads * SMALL.head_dim, SMALL.ffn_dim
     assert c["weight copies"] == (2 * (2 * d * d + 2 * d * kv + 3 * d * f) if amp else 0)  # the block's bf16 copies
+
+
+def test_cpu_offload_puts_the_sharded_state_on_the_host():
+    """FSDP's CPU offload: the rank's 16N/W of model state leaves the device for the host; the
+    gathered units, their full gradients and the activations stay. The optimizer step runs on
+    the host (nothing of it on the device), and at the root's reduce-scatter the other units'
+    gradient shards are on the host already. A CPU run's gradient shards are views of the
+    reduce-scatter's padded output, a GPU's are unpadded copies: rank 2 of 3, whose chunks of
+    the 64-row matrices are short (22, 22, 20 rows), holds fewer gradient bytes than padding."""
+    kw = dict(world=3, batch=6, seq_len=32)
+    state = ("parameters", "gradients", "optimizer state")
+    local = 4 * sum(theory.shard_numel(s, 3, 2) for s in theory.param_shapes(DEBUG).values())
+    for device in ("cpu", "cuda"):
+        plain = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
+        off = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
+        assert all(off[c] == 0 for c in state) and off["activations"] == plain["activations"]
+        assert off["transient"] == plain["transient"]  # the gathered units and their gradients
+        assert off["host"] == {c: plain[c] for c in state} | ({"gradients": local} if device == "cuda" else {})
+        root = theory.ROOT_REDUCE
+        assert off[root] == plain[root] | {"other units' gradient shards": 0}
+        assert off["optimizer temporaries"] == 0 and off["peak_at"] != "optimizer step"
+    assert local < plain["gradients"]
+    # on the CPU the peak is the end of forward (no gradient yet): less the parameters and AdamW state
+    plain, off = (theory.predict(theory.Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
+    assert plain["peak_at"] == off["peak_at"] == "end of forward"
+    assert off["peak"] == plain["peak"] - plain["parameters"] - plain["optimizer state"]
+    with pytest.raises(ValueError, match="FSDP's"):
+        theory.Plan(DEBUG, "ddp", world=2, cpu_offload=True)
+
+
+def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
+    """theory.report under --cpu-offload, on a trace's result as common/measure/memory.py
+    writes it: the device's model state is the trace's less the host's share, the host's is
+    held beside it, and the peak is the allocator's on a GPU (the device's own: the host's
+    state was never in it) but the trace less the host's share on a CPU (whose allocator
+    counts both)."""
+    from types import SimpleNamespace
+
+    import torch
+    args = SimpleNamespace(model_config=DEBUG, global_batch_size=4, seq_len=32)
+    host = theory.model_state("fsdp", DEBUG, 2, 0)
+    device = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 5_000, "other": 700}
+    for kind, in_trace, want in (("cuda", False, 9_100), ("cpu", True, 8_000)):
+        both = {c: device[c] + host.get(c, 0) for c in device} if in_trace else device
+        memory = [{"rank": 0, "before_optimizer": both, "peak_by_category": both, "peak_bytes": 9_000,
+                   "allocator_peak_bytes": 9_100,
+                   "offloaded": {"host_in_trace": in_trace, "host_before_optimizer": host,
+                                 "device_before_optimizer": device, "device_peak_by_category": device,
+                                 "device_peak_bytes": 8_000}}]
+        ctx = SimpleNamespace(is_main=True, device=torch.device(kind), world_size=2)
+        lines = []
+        row = theory.report(args, ctx, memory, "fsdp_zero3", lines=lines, cpu_offload=True)["per_rank"][0]
+        assert row["measured peak"] == want, kind
+        assert row["host"] == row["measured host"] == host
+        assert all(row[c] == row[f"measured {c}"] == 0 for c in host)
+        assert "on the host parameters" in lines[1] and "device peak" in lines[1]

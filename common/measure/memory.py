@@ -328,7 +328,7 @@ class _NoAllocator(_AllocatorView):
     def now(self):
         return None
 
-    def end(self, seeded: int):
+    def end(self, seeded: int, seen=()):
         return None
 
 

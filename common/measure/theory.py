@@ -83,6 +83,18 @@ tracer's within 1% for fp32, bf16, selective and full AC on one device, 2% under
 peak within -5%/+10% (backward's own temporaries are left out). The bf16 formula is
 autocast's; FSDP's MixedPrecisionPolicy (bf16 weights gathered, no autocast) saves less
 (no weight copies, one input cast): there it is an upper bound.
+
+FSDP's CPU offload (``Plan.cpu_offload``, train_fsdp.py --cpu-offload): the parameter shards,
+their gradients and AdamW's state live on the host (``predict``'s ``"host"``: the 16N/W bytes
+above, the gradients unpadded on CUDA, where each shard is copied out of the reduce-scatter's
+padded output), and the device's parameters, gradients and optimizer state are 0: what the
+device holds is the units gathered while they are in use, their full gradients until they are
+reduce-scattered, and the activations. The device's peak is then one of the first four
+moments (the optimizer step runs on the host). Not counted: each unit's fp32 shard copied to
+the device for its all-gather, and its gradient shard on the device until the copy to the
+host (1/W of a unit each, for a moment). On a CPU run the host is the device: the trace sees
+both in one memory, and tells them apart by which storages are the sharded state
+(common/measure/memory.py, ``offloaded_state``).
 """
 from __future__ import annotations
 
@@ -460,6 +472,7 @@ class Plan:
     head_loss: bool | None = None     # the loss is the model's own (model(x, targets=y): train_ddp.py and
                                       # train_fsdp.py), holding no logits; None: from the strategy
     split_root: bool = False          # --split-root-unit: embedding and head in FSDP units of their own
+    cpu_offload: bool = False         # --cpu-offload: FSDP's shards, gradients and AdamW state on the host
 
     def __post_init__(self):
         self.strategy = ALIASES.get(self.strategy, self.strategy)
@@ -471,6 +484,8 @@ class Plan:
             self.pp = self.world
         if self.head_loss is None:
             self.head_loss = self.strategy in HEAD_LOSS_STRATEGIES
+        if self.cpu_offload and not self.strategy.startswith(("fsdp", "hsdp")):
+            raise ValueError(f"cpu_offload is FSDP's (train_fsdp.py --cpu-offload), not {self.strategy}'s")
         if self.optimizer is None:  # what torch.optim picks when told neither foreach nor fused
             # CUDA path: tests/test_estimate.py::test_where_the_1b_peaks_fall_and_what_is_device_specific
             self.optimizer = "foreach" if self.device == "cuda" else "for-loop"
@@ -578,6 +593,20 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
                "optimizer step": full + temporaries}
     at = max(moments, key=moments.get)
     return moments[at], at, temporaries
+
+
+def offloaded_state(plan: Plan, shapes: dict, shard: int, index: int, out: dict) -> dict[str, int]:
+    """FSDP's CPU offload: this rank's parameters, gradients and AdamW state, taken out of
+    ``out`` (the device's, now 0) and returned as the host's. The parameter shards are
+    materialised padded on the host; a gradient shard is a view of the reduce-scatter's padded
+    output where that output is already host memory (a CPU run), and an unpadded copy of it on
+    CUDA (FSDP2 copies ``sharded_size`` elements to the host, one tensor per parameter)."""
+    host = {c: out[c] for c in ("parameters", "gradients", "optimizer state")}
+    # CUDA path: tests/test_estimate.py::test_cpu_offload_puts_the_sharded_state_on_the_host
+    if plan.device == "cuda":
+        host["gradients"] = 4 * sum(shard_numel(s, shard, index) for s in shapes.values())
+    out |= dict.fromkeys(host, 0)
+    return host
 
 
 ROOT_REDUCE = "FSDP root unit's reduce-scatter"
@@ -708,6 +737,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
         if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens):
             out[ROOT_REDUCE] = root
+    if plan.cpu_offload:
+        out["host"] = offloaded_state(plan, shapes, shard, dp_index % shard, out)
+        if ROOT_REDUCE in out:  # by the root's reduce-scatter the other units' shards are on the host
+            out[ROOT_REDUCE]["other units' gradient shards"] = 0
     if plan.ac in ("full", "selective", "selective-op") and n_layers:
         # backward rebuilds one block at a time: all of it (full), or what selective AC dropped
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
@@ -752,7 +785,9 @@ def report(args, ctx, memory, strategy: str, lines: list | None = None, **plan_k
 
     ``memory``: tracer.save's per-rank results (None when not traced: prediction only).
     Model state is compared when the optimizer step begins (everything is allocated and
-    nothing transient is left), activations at their peak.
+    nothing transient is left), activations at their peak. Under FSDP's CPU offload the
+    device's categories and peak are the trace's less the offloaded state, which is compared
+    apart as the host's (on a CPU run the trace holds both: common/measure/memory.py).
     """
     if not ctx.is_main:
         return None
@@ -771,12 +806,14 @@ def report(args, ctx, memory, strategy: str, lines: list | None = None, **plan_k
         m = next((x for x in memory or [] if x["rank"] == r), None)
         row = {"rank": r, **{c: p[c] for c in CATEGORIES}, "peak": p["peak"], "peak_at": p["peak_at"], "comm": p["comm"]}
         cells = []
+        off = (m or {}).get("offloaded")  # the trace's device and host apart (FSDP's CPU offload)
+        at_step, peaks = (off["device_before_optimizer"], off["device_peak_by_category"]) if off else \
+            (m and m["before_optimizer"], m and m["peak_by_category"])
         for c in CATEGORIES:
             if m is None:
                 cells.append(f"{c} {fmt_bytes(p[c])}")
                 continue
-            seen = (m["before_optimizer"] or m["peak_by_category"])[c] if c != "activations" \
-                else m["peak_by_category"][c]
+            seen = (at_step or peaks)[c] if c != "activations" else peaks[c]
             row[f"measured {c}"] = seen
             name = "activations at their peak" if c == "activations" else c  # not the step's peak's share
             cells.append(f"{name} {fmt_bytes(p[c])} vs {fmt_bytes(seen)}" + (f" ({seen / p[c]:.3f})" if p[c] else ""))
@@ -787,12 +824,22 @@ def report(args, ctx, memory, strategy: str, lines: list | None = None, **plan_k
                 m["peak_by_category"][STAGING]
             row |= {STAGING: want, f"measured {STAGING}": seen}
             cells.append(f"{STAGING} {fmt_bytes(want)} vs {fmt_bytes(seen)} ({seen / want:.3f})")
+        if "host" in p:  # --cpu-offload: the sharded state, on the host
+            have = off and off["host_before_optimizer"]
+            row |= {"host": p["host"], **({"measured host": have} if have else {})}
+            row |= {"measured device peak_by_category": peaks} if off else {}
+            cells.append("on the host " + ", ".join(f"{c} {fmt_bytes(b)}" + (
+                f" vs {fmt_bytes(have[c])}" + (f" ({have[c] / b:.3f})" if b else "") if have else "")
+                for c, b in p["host"].items()))
         # the whole step's peak, and when the formulas put it (on CUDA the allocator's own peak
-        # is the number to hold them to; the tracer counts the same tensors within 0.2%)
-        seen = m and (m.get("allocator_peak_bytes") or m["peak_bytes"])
+        # is the number to hold them to; the tracer counts the same tensors within 0.2%). Under
+        # offload on a CPU, the allocator counts the host's share too: the trace less it, then.
+        # CUDA path: tests/test_estimate.py::test_report_holds_an_offloaded_run_to_the_device_and_the_host
+        seen = m and (off["device_peak_bytes"] if off and off["host_in_trace"]
+                      else m.get("allocator_peak_bytes") or m["peak_bytes"])
         if seen:
             row["measured peak"] = seen
-        cells.append(f"peak {fmt_bytes(p['peak'])} ({p['peak_at']})"
+        cells.append(f"{'device peak' if off else 'peak'} {fmt_bytes(p['peak'])} ({p['peak_at']})"
                      + (f" vs {fmt_bytes(seen)} ({seen / p['peak']:.3f})" if seen else ""))
         out["per_rank"].append(row)
         who = f"rank {r}" if len(ranks) > 1 else "one rank"

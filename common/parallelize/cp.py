@@ -252,8 +252,16 @@ def apply_cp(model: Transformer, cp_mesh, load_balance: bool = True) -> Transfor
     return model
 
 
-def local_tokens(x: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """This rank's slice of a (batch, seq) batch: its columns, at its positions."""
+def local_tokens(x: torch.Tensor, ring: Ring, device=None) -> torch.Tensor:
+    """This rank's slice of a (batch, seq) batch: its columns, at its positions, on ``device``.
+
+    The whole batch goes to the device first, then is sliced there: a CUDA run's batch is in
+    pinned memory (common/data.py), and only a copy from pinned memory lets the host go on
+    (``non_blocking``); a slice taken on the host would be a new, pageable tensor whose copy
+    makes the host wait every step. The slice is the same tokens, wherever it is taken.
+    """
+    # CUDA path: tests/test_cp.py::test_the_pinned_batch_itself_is_copied_to_the_device_then_sliced
+    x = x if device is None else x.to(device, non_blocking=True)
     return x[:, ring.positions(x.shape[1] // ring.size, ring.rank, x.device)]
 
 
@@ -278,7 +286,7 @@ def cp_evaluate(model, tokens: torch.Tensor, args, device, ring: Ring) -> float 
     total = torch.zeros((), device=device)
     n = eval_batch_count(tokens, args)
     for _ in range(n):
-        x, y = (local_tokens(t, ring).to(device) for t in next(batches))
+        x, y = (local_tokens(t, ring, device) for t in next(batches))
         total += F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
     dist.all_reduce(total, group=ring.group)
     model.train()

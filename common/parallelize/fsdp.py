@@ -7,6 +7,7 @@ sharded; one short function wraps each transformer block, then the root.
 from __future__ import annotations
 
 import argparse
+import weakref
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,7 +62,12 @@ def fsdp_run_labels(args: argparse.Namespace, mesh: DeviceMesh) -> dict:
     what = (f"HSDP {args.hsdp[0]} x {args.hsdp[1]}" if args.hsdp else "FSDP") + zero
     return dict(fsdp=True, title=f"Step 3a, {what}",
                 strategy=("hsdp" if args.hsdp else "fsdp") + ("_zero3" if args.reshard_after_forward else "_zero2"),
-                parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)), predict=dict(shard=args.hsdp and args.hsdp[1]))
+                parallel=dict(zip(mesh.mesh_dim_names, mesh.shape)),
+                predict=dict(shard=args.hsdp and args.hsdp[1], cpu_offload=args.cpu_offload))
+
+
+# The models apply_fsdp offloaded (CPUOffloadPolicy): the memory tracer counts their state as the host's
+_OFFLOADED: weakref.WeakSet = weakref.WeakSet()
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
@@ -122,6 +128,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwar
                                    output_dtype=torch.float32 if param_dtype is not None else None)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload,
                 **({"ignored_params": ignored_params} if ignored_params else {}))
+    if cpu_offload:
+        _OFFLOADED.add(model)
     return model
 
 
@@ -149,10 +157,13 @@ def trace_fsdp_memory(tracer, model: torch.nn.Module):
     tracer's walk of ``model.parameters()`` never sees them. A forward pre-hook that runs
     after FSDP's (which it registers first, with ``prepend``) hands them to the tracer
     to follow, and a hook on each gathered parameter tags the full-size gradient that
-    backward writes before FSDP reduce-scatters it away.
+    backward writes before FSDP reduce-scatters it away. Under CPU offload the tracer is told
+    that the state it finds by walking the model and the optimizer is the host's.
     """
     if not tracer.enabled:
         return
+    if model in _OFFLOADED:
+        tracer.offloaded_state = True
     hooked: set[int] = set()
 
     def tag_gradient(p):
