@@ -36,6 +36,16 @@ left to stop before) lets the run complete: exit 0, and one line saying so (``Ru
 A script whose state this module cannot save (DeepSpeed's engine, ``can_save=False``) stops
 at the agreed step unsaved, exit 75, saying the steps are lost.
 
+Ctrl-C (SIGINT: torchrun passes it on to every rank) is voted on the same way, but stops
+without saving: the person wants the run to end now, and saving a large model takes minutes.
+A checkpoint being written in the background is finished first; then every rank stops at the
+agreed step, exit 130, and rank 0 says which checkpoint ``--resume`` would continue from (a
+SIGTERM to torchrun is the way to stop with a checkpoint). A second Ctrl-C ends every rank at
+once, mid-step (common/errors.py): under torchrun it reaches torchrun alone, which then sends
+every rank SIGTERM, taken as that second Ctrl-C by a rank that had the first. A rank that
+reaches no step end soon after the Ctrl-C stops by itself (``_give_up_if_stuck``), before
+torchrun's SIGKILL 30 s after it.
+
 The end of a run: a rank killed after the last step's checkpoint, before ``summary.json``
 (written last), leaves a run whose training is done and whose outputs are not. ``--resume``
 then finds the last step's checkpoint, every step in metrics.jsonl and no summary.json: it
@@ -79,13 +89,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.errors import Preempted, UserError
+from common.errors import Interrupted, Preempted, UserError, note_ctrl_c
 from common.measure.syncs import HostCopy
 
 PARTIAL = "_partial"
 # What a cluster sends before it takes the nodes back: Slurm's SIGTERM at the time limit or
 # on preemption, and the early warning asked for with #SBATCH --signal=B:USR1@120.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The vote: MAX over the ranks of each one's wish, so a stop signal's save wins over a Ctrl-C's
+# stop where both came.
+GO_ON, STOP_UNSAVED, STOP_SAVED = 0.0, 1.0, 2.0
+CTRL_C_PATIENCE_S = 20.0  # at most, after a Ctrl-C, for a step to end: torchrun SIGKILLs every rank at 30
 FAIL_HOW = ("exit", "sigterm", "sigusr1", "sigterm-torchrun")
 
 
@@ -173,7 +187,8 @@ def read_meta(path: Path) -> dict:
 RUN_SETTINGS = (("model", "--model", None), ("n_layers", "--n-layers", None),
                 ("global_batch_size", "--global-batch-size", None), ("seq_len", "--seq-len", None),
                 ("lr", "--lr", None), ("warmup_steps", "--warmup-steps", None), ("data", "--data", None),
-                ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1))
+                ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1),
+                ("data_id", "--data's contents (prepared folder's meta.json hash)", None))
 
 
 def config_differences(meta: dict, args) -> list[str]:
@@ -226,10 +241,13 @@ class Checkpointer:
             raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to "
                             f"{ctx.world_size - 1}.")
         self.signalled: str | None = None  # the stop signal this rank received, if any
+        self.ctrl_c = False  # this rank received a Ctrl-C (SIGINT)
+        self.stopping = GO_ON  # what the ranks agreed at the last vote read
         self.finishing = False  # resumed from the last step's checkpoint: only the outputs are left to write
         self._vote = None  # the HostCopy of the last step's vote, read one step late
         self._flag = None  # the vote's device tensor, reused: filling it queues no host wait
-        self._handlers, self._closed = {}, False
+        self._handlers, self._closed = {}, threading.Event()  # set by close(): the watch below ends
+        self._watch = None  # the thread of _give_up_if_stuck, once a signal has started it
         # --ckpt-async: the write in flight (thread, step, folder), its error, its host copy's bytes
         self._writing, self._write_error, self.staging_bytes, self.write_seconds = None, None, 0, []
         self.on_staged = None  # called with each background checkpoint's host copy (Run: the memory tracer)
@@ -241,17 +259,36 @@ class Checkpointer:
 
     # ---- preemption ---------------------------------------------------------------------
     def listen(self):
-        """From now until ``close``, SIGTERM and SIGUSR1 ask every rank to save and stop."""
+        """From now until ``close``, SIGTERM and SIGUSR1 ask every rank to save and stop, and
+        Ctrl-C (SIGINT) to stop."""
         if not getattr(self.ctx, "fake", False) and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._handlers[sig] = signal.signal(sig, self._on_signal)
+            self._handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_ctrl_c)
 
     def _on_signal(self, signum, frame):
+        if self.ctrl_c and signum == signal.SIGTERM:
+            # torchrun answers a second Ctrl-C (it alone gets them) with SIGTERM to every rank:
+            # the person asked twice, so this is that second Ctrl-C, not a cluster's "save".
+            note_ctrl_c()  # (ends the process)
         # Only a note: the step goes on, and nothing is printed here (a print inside a print
         # that the signal interrupted raises "reentrant call").
-        first, self.signalled = self.signalled is None, signal.Signals(signum).name
+        first, self.signalled = self.signalled is None and not self.ctrl_c, signal.Signals(signum).name
         if first:
-            threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True).start()
+            self._start_watch(signum)
+
+    def _on_ctrl_c(self, signum, frame):
+        # A note too, instead of Python's KeyboardInterrupt: raised wherever the step happens to
+        # be, it left a rank mid-collective and its peers with a gloo traceback, and raised in a
+        # finalizer (the memory tracer's) it was swallowed and the rank trained on.
+        note_ctrl_c()  # a second Ctrl-C ends the process there
+        first, self.ctrl_c = self.signalled is None and not self.ctrl_c, True
+        if first:
+            self._start_watch(signum)
+
+    def _start_watch(self, signum: int):
+        self._watch = threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True)
+        self._watch.start()
 
     def mark_progress(self):
         now = time.monotonic()
@@ -263,12 +300,15 @@ class Checkpointer:
         then the step in flight waits for a rank that is gone (NCCL waits until --pg-timeout)
         and would hold up the restart until torchrun's SIGKILL. A rank that reaches no step
         end (nor a checkpoint's start or end) in 3 times the longest step or save seen so far,
-        and at least 10 s, after the signal stops at once."""
-        while not self._closed:
-            time.sleep(0.2)
+        and at least 10 s, after the signal stops at once; after a Ctrl-C, in at most
+        CTRL_C_PATIENCE_S, so that the rank says why it stopped before torchrun kills it."""
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        while not self._closed.wait(0.2):
             idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
-            if idle > patience and not self._closed:
-                print(f"[rank {self.ctx.rank}] {self.signalled}: no step ended in {idle:.0f} s since the signal "
+            if signum == signal.SIGINT:
+                patience = min(patience, CTRL_C_PATIENCE_S)
+            if idle > patience and not self._closed.is_set():
+                print(f"[rank {self.ctx.rank}] {name}: no step ended in {idle:.0f} s since the signal "
                       f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
                 os._exit(128 + signum)
 
@@ -278,17 +318,26 @@ class Checkpointer:
         rank calls this (one reduction, once a run)."""
         if getattr(self.ctx, "fake", False):
             return None
-        code = torch.tensor([float(signal.Signals[self.signalled].value if self.signalled else 0)],
-                            device=self.ctx.device)
+        got = signal.Signals[self.signalled] if self.signalled else signal.SIGINT if self.ctrl_c else None
+        code = torch.tensor([float(got.value if got else 0)], device=self.ctx.device)
         if self.ctx.has_peers:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
         return signal.Signals(int(code.item())).name if code.item() else None
 
     def close(self):
-        """Give the signals back to whoever had them (a harness running several runs)."""
+        """Give the signals back to whoever had them (a harness running several runs), and end
+        the watch on a stuck step."""
         for sig, old in self._handlers.items():
             signal.signal(sig, old)
-        self._handlers, self._closed = {}, True  # (and the watch on a stuck step ends)
+        self._handlers = {}
+        self._closed.set()
+        if self._watch is not None:
+            # Joined here, while the run is alive: a watch thread that ended during Python's exit
+            # let go of this checkpointer (its target) there, freeing the model's tensors from a
+            # thread that may no longer run, and the rank aborted ("terminate called without an
+            # active exception").
+            self._watch.join()
+            self._watch = None
 
     def _cast_vote(self):
         """This rank's "stop?" into one all-reduce (MAX), read by the next step's
@@ -296,7 +345,7 @@ class Checkpointer:
         the step's work and nothing waits for them now."""
         if self._flag is None:
             self._flag = torch.zeros(1, device=self.ctx.device)
-        self._flag.fill_(1.0 if self.signalled else 0.0)
+        self._flag.fill_(STOP_SAVED if self.signalled else STOP_UNSAVED if self.ctrl_c else GO_ON)
         if self.ctx.has_peers:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         self._vote = HostCopy({"stop": self._flag}, self.ctx.device)
@@ -306,8 +355,23 @@ class Checkpointer:
         answer on every rank, from the same reduction: they all stop after this step."""
         if self._vote is None:
             return False
-        stop, self._vote = self._vote.values()["stop"][0] > 0, None
-        return stop
+        self.stopping, self._vote = float(self._vote.values()["stop"][0]), None
+        return self.stopping > GO_ON
+
+    def _stop_after_ctrl_c(self, step: int):
+        """Every rank stops after ``step``, unsaved; rank 0's line says what --resume would do."""
+        self.wait()  # a background write under way: finished and declared, the newest checkpoint
+        self.close()
+        kept = complete_checkpoints(self.folder)
+        if kept:
+            saved = int(kept[-1].name.split("_")[1])
+            again = f"step {step} is" if saved + 1 == step else f"steps {saved + 1}-{step} are"
+            told = (f"--resume continues from {kept[-1]} (step {saved}), so {again} trained again" if saved < step
+                    else f"--resume continues from {kept[-1]}: nothing is lost")
+        else:
+            told = f"no checkpoint was written, so the {step + 1} steps trained are lost"
+        hint = "; a SIGTERM (to torchrun, if it launched the run) stops with a checkpoint" if self.can_save else ""
+        raise Interrupted(f"interrupted (Ctrl-C): every rank stopped after step {step}, unsaved; {told}{hint}.")
 
     def _send_fault_signal(self):
         """--fail-how sigterm/sigusr1/sigterm-torchrun: what a cluster does, on cue."""
@@ -345,6 +409,7 @@ class Checkpointer:
                 "model_config": self.args.model_config.as_dict(), "world_size": self.ctx.world_size,
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
+                "data_id": getattr(self.args, "data_id", None),
                 "lr": self.args.lr, "warmup_steps": self.args.warmup_steps,
                 "grad_accum": getattr(self.args, "grad_accum", 1),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
@@ -579,6 +644,8 @@ class Checkpointer:
         if fault and self.args.fail_how != "exit":
             self._send_fault_signal()  # before the save: it arrives while the checkpoint is written
         last = step == self.args.steps - 1  # a stop asked at the last step: the run is over anyway
+        if stop and not last and self.stopping == STOP_UNSAVED:
+            self._stop_after_ctrl_c(step)
         if stop and not last and not self.can_save:
             self.close()
             raise Preempted(f"preempted at step {step}: every rank stopped there, but {self.args.script}.py does not "
@@ -847,6 +914,20 @@ if __name__ == "__main__":
 
 
 # ---- one plain file of full weights, for inference ---------------------------------------
+# The sending rank's bytes gathered for rank 0 and not yet known to have arrived there, at
+# their highest during the last full_state_dict (0 on the ranks that send nothing). The
+# handshake below keeps it to one tensor; tests/drivers/model_parallel.py reads it.
+IN_FLIGHT = {"bytes": 0, "peak_bytes": 0}
+
+
+def _ready_for_next(ctx):
+    """The sender waits for rank 0's "ready": rank 0 has received every tensor before this one."""
+    ready = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+    dist.recv(ready, src=0)
+    ready.item()  # on a GPU, recv only queues the wait; the host waits here, before the next gather
+    IN_FLIGHT["bytes"] = 0
+
+
 def full_state_dict(modules: list[torch.nn.Module], ctx, pp: int = 1) -> dict[str, torch.Tensor] | None:
     """Gather the trained weights back into one plain state dict in rank 0's host memory
     (None elsewhere), one tensor at a time.
@@ -854,13 +935,16 @@ def full_state_dict(modules: list[torch.nn.Module], ctx, pp: int = 1) -> dict[st
     DTensor shards (TP, FSDP) are gathered with ``full_tensor()`` by the ranks that share
     them. ``pp``: pipeline stages, the outermost dimension of the mesh (ranks s * W/pp to
     (s + 1) * W/pp - 1 hold stage s, as their data- and tensor-parallel copies). Only the
-    first rank of each stage sends, tensor by tensor; rank 0 receives each on its device and
-    moves it to the host before the next. Every stage keeps the full model's parameter names,
-    so the parts merge by name. Every rank must call this.
+    first rank of each stage sends, tensor by tensor, in step with rank 0: rank 0 says
+    "ready" for each tensor once the one before has arrived and moved to its host memory,
+    and the sender gathers a tensor only after that, so it never holds more than one
+    gathered tensor that rank 0 has not received. Every stage keeps the full model's
+    parameter names, so the parts merge by name. Every rank must call this.
     """
     per_stage = ctx.world_size // pp if pp > 1 and ctx.has_peers else ctx.world_size
     sends = ctx.rank % per_stage == 0 and not ctx.is_main  # the one copy of its stage, to rank 0
     out = {} if ctx.is_main else None
+    IN_FLIGHT.update(bytes=0, peak_bytes=0)
     # 2-D (FSDP over TP) shards gather in two steps and DTensor logs that this is slow;
     # once per checkpoint it does not matter.
     log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -870,22 +954,34 @@ def full_state_dict(modules: list[torch.nn.Module], ctx, pp: int = 1) -> dict[st
         if sends:
             dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in mine]], dst=0)
         for k, v in mine:
+            if sends:
+                # CUDA path: tests/test_model_parallel.py::test_save_weights_sends_one_tensor_at_a_time takes this
+                # handshake on CPU. It is for NCCL: there dist.send returns at once and the sent tensor stays
+                # allocated until rank 0's matching recv, which comes only after rank 0 has gathered its own
+                # stage; a sender that did not wait held its whole stage gathered (8b over 2 stages: ~14 GB
+                # more). gloo's send blocks until received, which hid it on CPU.
+                _ready_for_next(ctx)
             v = v.full_tensor() if isinstance(v, DTensor) else v  # every rank of the stage takes part
             if out is not None:
                 out[k] = v.detach().cpu()
             elif sends:
-                dist.send(v.detach().to(ctx.device).contiguous(), dst=0)
+                v = v.detach().to(ctx.device).contiguous()
+                IN_FLIGHT["bytes"] += v.numel() * v.element_size()
+                IN_FLIGHT["peak_bytes"] = max(IN_FLIGHT["peak_bytes"], IN_FLIGHT["bytes"])
+                dist.send(v, dst=0)
             del v
     finally:
         log.setLevel(level)
     if out is not None:
+        ready = torch.ones(1, dtype=torch.int32, device=ctx.device)
         for src in range(per_stage, ctx.world_size, per_stage):
             box = [None]
             dist.recv_object_list(box, src=src)
             for k, shape, dtype in box[0]:
+                dist.send(ready, dst=src)
                 buf = torch.empty(shape, dtype=dtype, device=ctx.device)
                 dist.recv(buf, src=src)
-                out[k] = buf.cpu()
+                out[k] = buf.cpu()  # (on a GPU, waits for the data: only then is the next "ready" sent)
     return out
 
 

@@ -17,7 +17,9 @@ import io
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +35,7 @@ from common.data import load_corpus
 from common.distributed import distributed
 from common.errors import UserError
 from common.model import Transformer, get_config
-from conftest import ROOT
+from conftest import ROOT, hang_limit
 from drivers import dp as _dp
 
 
@@ -406,6 +408,151 @@ def test_a_signal_in_the_last_step_lets_the_run_complete(jobs):
     assert ("SIGTERM came with no step left to stop before: the run completed all 2 steps and wrote its outputs and "
             "its checkpoint of step 1; nothing is lost and nothing is left to resume.") in run["stdout"]
     assert (jobs.folder / "ddp_sigterm_last" / "summary.json").exists()
+
+
+# ---- Ctrl-C under torchrun ---------------------------------------------------------------------
+# A terminal's Ctrl-C sends SIGINT to its foreground process group: torchrun's (torchrun starts
+# every rank in a session of its own and passes the SIGINT on to each, once).
+CTRL_C_FLAGS = ["--device", "cpu", "--model", "debug", "--steps", "100000", "--seq-len", "32", "--global-batch-size",
+                "8", "--eval-batches", "0", "--no-trace-memory"]
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, ...
+    except OSError:
+        return None
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """torchrun's children: its ranks."""
+    stats = {int(d.name): _proc_stat(int(d.name)) for d in Path("/proc").iterdir() if d.name.isdigit()}
+    return [p for p, st in stats.items() if st and int(st[1]) == pid]
+
+
+def _gone(pid: int) -> bool:
+    st = _proc_stat(pid)
+    return st is None or st[0] == "Z"  # (a zombie has ended: torchrun has yet to reap it)
+
+
+def _ctrl_c(tmp_path, script: str, nproc: int, flags: list[str], after_steps: int, presses: list[float]):
+    """Start torchrun in a session of its own, wait until ``after_steps`` steps are logged,
+    then press Ctrl-C (SIGINT to torchrun's process group) once per entry of ``presses``, that
+    many seconds after the one before. Returns the seconds from the last press until every
+    rank was gone (None: still there after 30 s), and what torchrun and the ranks printed."""
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(nproc), script, *flags, "--out", str(out)], cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + hang_limit(150)
+        while not (out / "metrics.jsonl").exists() or \
+                len((out / "metrics.jsonl").read_text().splitlines()) < after_steps:
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = _ranks_of(p.pid)
+        assert len(ranks) == nproc, ranks
+        for wait in presses:
+            time.sleep(wait)
+            os.killpg(p.pid, signal.SIGINT)
+        pressed, took = time.monotonic(), None
+        while time.monotonic() - pressed < 30:
+            if all(_gone(r) for r in ranks):
+                took = time.monotonic() - pressed
+                break
+            time.sleep(0.05)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return took, log.read_text().replace("\r", "\n"), out
+
+
+def _not_ours(output: str):
+    """No traceback through this repository's code (torchrun's own, in torch, is not ours), and
+    none of the lines a rank that ended badly prints."""
+    files = re.findall(r'^\s*File "([^"]+)"', output, re.M)
+    ours = [f for f in files if not f.startswith("<") and "site-packages" not in f
+            and (not os.path.isabs(f) or f.startswith(str(ROOT)))]  # (torchrun's is in torch and the stdlib)
+    assert not ours, "\n".join(ours) + "\n" + output[-4000:]
+    for bad in ("failed:", "Exception ignored", "terminate called", "KeyboardInterrupt", "error:"):
+        assert bad not in output, output[-4000:]
+
+
+def test_a_ctrl_c_outside_the_steps_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Outside the training steps (starting, tearing down) a Ctrl-C stops the process where it
+    is, as Python's KeyboardInterrupt does, and main_guard ends it with one line and exit 130.
+    An error after a Ctrl-C (gloo's "Connection closed by peer": a rank that stopped first) is
+    that stop, said the same way, without a traceback. main_guard's handler is its own while
+    the script runs and the one before it afterwards."""
+    from common import errors
+
+    monkeypatch.setitem(errors.CTRL_C, "seen", False)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    before = signal.getsignal(signal.SIGINT)
+
+    @errors.main_guard
+    def pressed():
+        assert signal.getsignal(signal.SIGINT) is errors._on_ctrl_c
+        signal.raise_signal(signal.SIGINT)  # the real handler: noted, then KeyboardInterrupt
+        raise AssertionError("a Ctrl-C outside the steps must stop the script")
+
+    @errors.main_guard
+    def peer_gone():
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:13232")
+
+    line = ("interrupted (Ctrl-C): stopped where it was; what was complete before it (the checkpoints, the steps "
+            "logged) stays usable.")
+    for script in (pressed, peer_gone):
+        with pytest.raises(SystemExit) as stop:
+            script()
+        err = capsys.readouterr().err
+        assert stop.value.code == 130 and err.splitlines() == [line], err
+        assert errors.CTRL_C["seen"] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_ctrl_c_stops_every_rank_within_seconds_at_one_step_with_one_line(tmp_path):
+    """Ctrl-C in the middle of a 4-rank DDP run: every rank stops after the same step (the one
+    whose vote carried the Ctrl-C), well before torchrun's SIGKILL 30 s later, unsaved; rank 0
+    alone says so, naming the checkpoint --resume continues from; no traceback of ours. The
+    run's folder is one a --resume continues: every step up to the stop logged once, complete
+    checkpoints only, no lock, no summary.json (the run did not finish)."""
+    took, output, out = _ctrl_c(tmp_path, "step3_multi_gpu/train_ddp.py", 4, CTRL_C_FLAGS + ["--ckpt-every", "2"],
+                                after_steps=4, presses=[0])
+    assert took is not None and took < 15, f"ranks still there 30 s after the Ctrl-C\n{output[-4000:]}"
+    said = [line for line in output.splitlines() if "Ctrl-C" in line]
+    assert len(said) == 1, said
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(last + 1)) and last >= 4, steps  # stopped mid-training, each step logged once
+    kept = complete_checkpoints(out / "checkpoints")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for p in kept]  # nothing half-written
+    saved = int(kept[-1].name.split("_")[1])
+    # --ckpt-every 2 saves steps 1, 3, 5...: the newest before the stop (a Ctrl-C skips the stop step's save)
+    assert saved == last - 1 - last % 2, (saved, last)
+    again = f"step {last} is" if saved + 1 == last else f"steps {saved + 1}-{last} are"
+    assert said[0] == (f"interrupted (Ctrl-C): every rank stopped after step {last}, unsaved; --resume continues from "
+                       f"{kept[-1]} (step {saved}), so {again} trained again; a SIGTERM (to torchrun, if it launched "
+                       f"the run) stops with a checkpoint."), said
+    assert not (out / ".run.lock").exists() and not (out / "summary.json").exists()
+    _not_ours(output)
+
+
+def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path):
+    """Two Ctrl-Cs 0.3 s apart, each step of the small model taking longer than that: the
+    first asks the ranks to stop at the next agreed step; torchrun answers the second with
+    SIGTERM to every rank, which a rank that had the first Ctrl-C takes as the second: it
+    ends there, mid-step, without the save a SIGTERM alone asks for. Rank 0 says so."""
+    flags = ["--device", "cpu", "--model", "small", "--steps", "100000", "--seq-len", "256", "--global-batch-size",
+             "8", "--eval-batches", "0", "--no-trace-memory"]
+    took, output, out = _ctrl_c(tmp_path, "step3_multi_gpu/train_ddp.py", 2, flags, after_steps=2, presses=[0, 0.3])
+    assert took is not None and took < 10, f"ranks still there {took} s after the second Ctrl-C\n{output[-4000:]}"
+    assert "second Ctrl-C: stopping at once, mid-step" in output, output[-4000:]
+    assert "every rank stopped after step" not in output and not (out / "checkpoints").exists()
+    _not_ours(output)
 
 
 def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):

@@ -34,8 +34,14 @@ RANK = int(os.environ["RANK"])
 
 
 # --save-weights under a pipeline: what each rank sends to rank 0 (and rank 0 receives) while
-# the weights are gathered, in bytes; one copy per stage should travel, nothing else.
-WEIGHTS = {"active": False, "sent": 0, "received": 0}
+# the weights are gathered, in bytes; one copy per stage should travel, nothing else. Rank 0's
+# "ready" before each tensor (one int32) is counted apart, as messages.
+WEIGHTS = {"active": False, "sent": 0, "received": 0, "tensors_received": 0, "readies_sent": 0,
+           "readies_received": 0}
+
+
+def _is_ready(tensor) -> bool:
+    return tensor.dtype == torch.int32 and tensor.numel() == 1  # no weight is one int32
 
 
 def _count_weight_traffic():
@@ -52,11 +58,18 @@ def _count_weight_traffic():
             WEIGHTS["active"] = False
 
     def send(tensor, *args, **kwargs):
-        WEIGHTS["sent"] += tensor.numel() * tensor.element_size() if WEIGHTS["active"] else 0
+        if WEIGHTS["active"] and _is_ready(tensor):
+            WEIGHTS["readies_sent"] += 1
+        elif WEIGHTS["active"]:
+            WEIGHTS["sent"] += tensor.numel() * tensor.element_size()
         return real_send(tensor, *args, **kwargs)
 
     def recv(tensor, *args, **kwargs):
-        WEIGHTS["received"] += tensor.numel() * tensor.element_size() if WEIGHTS["active"] else 0
+        if WEIGHTS["active"] and _is_ready(tensor):
+            WEIGHTS["readies_received"] += 1
+        elif WEIGHTS["active"]:
+            WEIGHTS["received"] += tensor.numel() * tensor.element_size()
+            WEIGHTS["tensors_received"] += 1
         return real_recv(tensor, *args, **kwargs)
 
     ckpt.full_state_dict, dist.send, dist.recv = full_state_dict, send, recv
@@ -107,6 +120,8 @@ def shared_flags(flags: list[str]) -> list[str]:
 
 
 def main():
+    import common.checkpoint as ckpt
+
     out_dir, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     results, refs = {}, {}
     _count_weight_traffic()
@@ -114,10 +129,14 @@ def main():
         case_out = out_dir / case["name"]
         flags = case["flags"] + ["--out", str(case_out), "--device", "cpu"]
         t0 = time.perf_counter()
-        WEIGHTS.update(sent=0, received=0)
+        WEIGHTS.update(sent=0, received=0, tensors_received=0, readies_sent=0, readies_received=0)
+        ckpt.IN_FLIGHT.update(bytes=0, peak_bytes=0)
         code, err = run_script(case["script"], flags, capture_stderr=True)
         res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0,
-               "weights_sent": WEIGHTS["sent"], "weights_received": WEIGHTS["received"]}
+               "weights_sent": WEIGHTS["sent"], "weights_received": WEIGHTS["received"],
+               "weight_tensors_received": WEIGHTS["tensors_received"], "readies_sent": WEIGHTS["readies_sent"],
+               "readies_received": WEIGHTS["readies_received"],
+               "weights_peak_in_flight": ckpt.IN_FLIGHT["peak_bytes"]}
         if RANK == 0 and code == 0 and not case.get("expect_error"):
             amp = last_value(case["flags"], "--amp", "bf16")  # step 3's default
             key = json.dumps(shared_flags(case["flags"]))
@@ -144,6 +163,7 @@ def main():
                 res["weight_max_abs_diff"] = max(d.max().item() for d in diffs)
                 res["weight_n_over_1e-6"] = sum(int((d > 1e-6).sum()) for d in diffs)
                 res["weight_numel"] = sum(d.numel() for d in diffs)
+                res["weight_largest_bytes"] = max(t.numel() * t.element_size() for t in got.values())
         results[case["name"]] = res
         if RANK == 0:
             print(f"[driver] {case['name']}: exit {code} in {res['wall_s']:.1f} s", file=sys.__stderr__, flush=True)
@@ -151,7 +171,8 @@ def main():
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     else:  # what the other ranks saw: every rank must exit, and say why, the same way
         (out_dir / f"results_rank{RANK}.json").write_text(json.dumps(
-            {k: {"exit_code": v["exit_code"], "stderr_tail": v["stderr_tail"], "weights_sent": v["weights_sent"]}
+            {k: {"exit_code": v["exit_code"], "stderr_tail": v["stderr_tail"], "weights_sent": v["weights_sent"],
+                 "readies_received": v["readies_received"], "weights_peak_in_flight": v["weights_peak_in_flight"]}
              for k, v in results.items()}))
 
 
