@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, checkpoint
+from common import ROOT, checkpoint, prepared
 from common.errors import MADE_FOR_THIS_RUN, UserError
 from common.model import PRESETS, get_config
 
@@ -29,8 +29,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
     g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="override the vocabulary (default: 256, one token per byte); any other size trains on "
-                        "--data synthetic, random token ids, to size a layout like a published model's")
+                   help="override the vocabulary (default: 256, one token per byte, or a prepared --data's "
+                        "tokenizer's); any other size trains on --data synthetic, random token ids, to size a "
+                        "layout like a published model's")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps to train (default: 100)")
     g.add_argument("--global-batch-size", type=int, default=8,
                    help="sequences per optimizer step, summed over data-parallel ranks (default: 8)")
@@ -40,7 +41,8 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order (default: 0)")
     g.add_argument("--data", default="stdlib",
                    help="'stdlib' (this Python's standard library source, the default), 'synthetic' "
-                        "(random bytes) or a path to a text file or a folder of them")
+                        "(random bytes), a path to a text file or a folder of them (read as bytes), or a folder "
+                        "that python -m tools.prepare_data wrote (its tokenizer's tokens, memory-mapped)")
     g.add_argument("--out", default=None, help="output folder (default: runs/<script name>); a finished run found there "
                    "is moved aside to <out>@<date>, never overwritten")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
@@ -122,7 +124,13 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise UserError(f"--seed must be between 0 and 2**63 - 1 (got {args.seed}).")
     if args.n_layers is not None and args.n_layers <= 0:
         raise UserError(f"--n-layers must be positive (got {args.n_layers}).")
-    check_vocab_size(args.vocab_size, args.data)
+    # A prepared folder brings its tokenizer's vocabulary, and its identity for the checkpoints.
+    args.data_id = None
+    found = prepared.vocab_of(args.data, args.vocab_size)
+    if found:
+        args.vocab_size, args.data_id = found
+    else:
+        check_vocab_size(args.vocab_size, args.data)
     try:
         args.model_config = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
@@ -165,7 +173,8 @@ def check_vocab_size(vocab_size: int | None, data: str) -> None:
         raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {vocab_size}).")
     if vocab_size != 256 and data != "synthetic":
         raise UserError(f"--vocab-size {vocab_size} needs --data synthetic: the text is read as bytes (256 tokens), "
-                        f"so real text would leave most of a larger vocabulary unused and overflow a smaller one.")
+                        f"so real text would leave most of a larger vocabulary unused and overflow a smaller one "
+                        f"(or tokenize it first: python -m tools.prepare_data).")
 
 
 def check_writable(out: Path):
@@ -381,7 +390,8 @@ def _check_moe(args: argparse.Namespace) -> None:
         if args.n_experts < 0:
             raise UserError(f"--n-experts cannot be negative (got {args.n_experts}); 0 is the dense model.")
         try:
-            args.model_config = get_config(args.model, n_layers=args.n_layers, n_experts=args.n_experts)
+            args.model_config = get_config(args.model, n_layers=args.n_layers, n_experts=args.n_experts,
+                                           vocab_size=args.vocab_size)
         except ValueError:
             raise UserError(f"--n-experts {args.n_experts} is fewer than the {args.model_config.top_k} experts each "
                             f"token goes to; use at least {args.model_config.top_k}.") from None

@@ -2,7 +2,9 @@
 
 Tokens are raw bytes (vocabulary 256), so there is no tokenizer to download. The default
 corpus is the source of the running Python's standard library, found on disk: about 30 MB
-of real, structured text on any machine that can run this tutorial.
+of real, structured text on any machine that can run this tutorial. Real data at scale is
+tokenized once by ``python -m tools.prepare_data`` into a folder that ``--data`` also takes:
+then the token streams are memory-mapped shards (common/prepared.py), read window by window.
 
 The loader is a ``DistributedSampler`` plus a ``DataLoader``. With ``drop_last`` and a
 per-rank batch of ``global_batch / dp_size``, global batch k is the set
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from common import prepared
 from common.errors import UserError
 
 VAL_EVERY = 20  # one file in 20 (by a hash of its path) is held out for validation
@@ -29,7 +32,9 @@ SYNTHETIC_TOKENS = 4_000_000
 @dataclass
 class Corpus:
     name: str
-    train: torch.Tensor  # token ids: uint8 bytes (int32 for a synthetic vocabulary beyond 256)
+    # token ids: uint8 bytes (int32 for a synthetic vocabulary beyond 256), or a prepared
+    # folder's prepared.TokenStream (len() and slices, like a tensor, from memory-mapped shards)
+    train: torch.Tensor
     val: torch.Tensor
     train_files: list[str]
     val_files: list[str]
@@ -88,15 +93,22 @@ _CACHE: dict[str, Corpus] = {}
 
 def load_corpus(spec: str, seed: int = 0, vocab_size: int = 256) -> Corpus:
     """``stdlib`` (default), ``synthetic`` (seeded random token ids below ``vocab_size``: bytes
-    by default), or a path to text (bytes: ``vocab_size`` must be 256, cli.check_vocab_size)."""
+    by default), a prepared folder (``vocab_size`` its tokenizer's, which cli.parse sets), or
+    a path to text (bytes: ``vocab_size`` must be 256, cli.check_vocab_size)."""
     if spec == "synthetic":
         g = torch.Generator().manual_seed(seed)
         dtype = torch.uint8 if vocab_size <= 256 else torch.int32  # the default draws the same bytes as ever
         tokens = torch.randint(0, vocab_size, (SYNTHETIC_TOKENS,), generator=g, dtype=dtype)
         cut = int(len(tokens) * (1 - 1 / VAL_EVERY))
         return Corpus("synthetic", tokens[:cut], tokens[cut:], [], [])
+    if prepared.is_prepared(spec):
+        return Corpus(spec, *prepared.open_splits(spec, vocab_size))
+    if spec != "stdlib" and Path(spec).is_dir() and prepared.looks_prepared(Path(spec)):
+        raise UserError(f"--data {spec} holds token shards or a tokenizer but no {prepared.META}: it is not a "
+                        f"complete prepared folder; prepare it again (python -m tools.prepare_data).")
     if vocab_size != 256:
-        raise UserError(f"--vocab-size {vocab_size} needs --data synthetic: text is read as bytes (256 tokens).")
+        raise UserError(f"--vocab-size {vocab_size} needs --data synthetic or a prepared folder: text is read as "
+                        f"bytes (256 tokens).")
     if spec == "stdlib" and "stdlib" in _CACHE:
         return _CACHE["stdlib"]
     root, files = _stdlib_files() if spec == "stdlib" else _text_files(Path(spec))
@@ -117,7 +129,7 @@ def load_corpus(spec: str, seed: int = 0, vocab_size: int = 256) -> Corpus:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of seq_len + 1 bytes: inputs and next-byte targets."""
+    """Non-overlapping windows of seq_len + 1 tokens: inputs and next-token targets."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
@@ -157,7 +169,7 @@ class Batches:
                             f"data-parallel ranks; use a multiple of {dp_size}.")
         self.dataset = TokenWindows(tokens, seq_len)
         if len(self.dataset) < global_batch_size:
-            raise UserError(f"the data holds {len(self.dataset)} sequences of {seq_len + 1} bytes, fewer than "
+            raise UserError(f"the data holds {len(self.dataset)} sequences of {seq_len + 1} tokens, fewer than "
                             f"one global batch of {global_batch_size}; use more text, a shorter --seq-len "
                             f"or a smaller --global-batch-size.")
         self.sampler = DistributedSampler(self.dataset, num_replicas=dp_size, rank=dp_rank,

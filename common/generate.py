@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ class Weights:
     cfg: ModelConfig
     context: int      # positions the run trained on: its --seq-len (the most a prompt may be)
     name: str         # the run's --model preset
+    data: str | None = None  # the run's --data (a prepared folder holds its tokenizer)
 
 
 @dataclass
@@ -54,7 +56,7 @@ def find_weights(path) -> Weights:
     source, settings = _weights_source(Path(path))
     cfg = ModelConfig(**settings["model_config"])
     context = min(int(settings.get("seq_len") or cfg.max_seq_len), cfg.max_seq_len)
-    return Weights(source, cfg, context, settings.get("model", "?"))
+    return Weights(source, cfg, context, settings.get("model", "?"), settings.get("data"))
 
 
 def require_bytes(found: Weights) -> None:
@@ -63,6 +65,40 @@ def require_bytes(found: Weights) -> None:
         raise UserError(f"{found.source} holds a model of {found.cfg.vocab_size} token ids (--vocab-size), trained on "
                         f"random ids, not on text's 256 byte values: it has no text to give; use a run of the byte "
                         f"vocabulary.")
+
+
+@dataclass
+class Codec:
+    """Text to a run's token ids and back: the bytes, or the tokenizer of the prepared folder
+    it trained on (tools/prepare_data.py)."""
+    name: str                             # "bytes", or the tokenizer's folder or file
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list], str]
+    start: list[int] = field(default_factory=list)  # put before a prompt: the end-of-text token that
+    eot: str | None = None                          # starts every prepared document, so a prompt starts one
+    tokenizer: object = None              # the tokenizers.Tokenizer (None for bytes)
+
+
+def codec_for(found: Weights, tokenizer: str | None = None) -> Codec:
+    """The run's own: ``tokenizer`` (a prepared folder or a tokenizer.json) if given, else its
+    --data folder's if that is a prepared one, else the bytes (one sentence where none fits)."""
+    from common import prepared
+    data = found.data if found.data not in (None, "stdlib", "synthetic") else None
+    where = tokenizer or (data if data and prepared.is_prepared(data) else None)
+    if where is None:
+        if found.cfg.vocab_size != 256 and data:  # only a prepared folder trains another vocabulary on text
+            raise UserError(f"{found.source} was trained on the prepared folder {data}, which is not there any more; "
+                            f"give its tokenizer: --tokenizer PATH/tokenizer.json.")
+        require_bytes(found)
+        return Codec("bytes", encode, decode)
+    tok, eot = prepared.load_tokenizer(where)
+    if prepared.vocab_size_of(tok) != found.cfg.vocab_size:
+        raise UserError(f"{where}'s tokenizer has {prepared.vocab_size_of(tok)} tokens and the model of {found.source} "
+                        f"{found.cfg.vocab_size}; give the tokenizer the run trained with (--tokenizer).")
+    tok.encode_special_tokens = True  # as prepare encoded: "<|endoftext|>" typed in a prompt is text
+    return Codec(str(where), lambda text: tok.encode(text, add_special_tokens=False).ids,
+                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False),
+                 [tok.token_to_id(eot)] if eot else [], eot, tok)
 
 
 def _weights_source(path: Path) -> tuple[Path, dict]:
@@ -152,7 +188,7 @@ def load_trained(path, device="cpu", dtype: torch.dtype = torch.float32) -> Trai
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     model.to(dtype).eval()
-    return Trained(found.source, found.cfg, found.context, found.name, model)
+    return Trained(found.source, found.cfg, found.context, found.name, found.data, model=model)
 
 
 # ---- the KV cache ----------------------------------------------------------------------------

@@ -124,16 +124,25 @@ def byte_chars() -> list[str]:
 
 
 def byte_tokenizer():
-    """A tokenizer whose token ids are the byte values of the UTF-8 text, as ours are.
+    """A tokenizer whose token ids are the byte values of the UTF-8 text, as ours are
+    (transformers' PreTrainedTokenizerFast over ``bytes_tokenizer``)."""
+    transformers = require("transformers")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bytes_tokenizer(),
+                                                clean_up_tokenization_spaces=False)
+
+
+def bytes_tokenizer(eot: str | None = None):
+    """The tokenizers library's Tokenizer of the byte vocabulary, and ``eot`` as id 256 if given.
 
     Each of the 256 bytes is one token, id = its value. The tokenizers library works on
     strings, so its ByteLevel step stands each byte for one printable character, and the
     vocabulary maps those 256 characters to their byte values; with no merges nothing is
     ever joined. Decoding maps the characters back to bytes, then the bytes to text."""
     tokenizers = require("tokenizers")
-    transformers = require("transformers")
     from tokenizers import decoders, models, pre_tokenizers
     tok = tokenizers.Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    if eot:
+        tok.add_special_tokens([eot])
+    return tok

@@ -4,8 +4,10 @@
     python -m tools.export_hf --import runs/train/hf --out runs/imported.pt
 
 Export writes a folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads as a
-Llama: config.json, model.safetensors, and a byte-level tokenizer (token id = byte value, as
-ours) that ``AutoTokenizer`` loads, so ``generate`` works on text. Then it loads the folder
+Llama: config.json, model.safetensors, and the run's tokenizer that ``AutoTokenizer`` loads,
+so ``generate`` works on text: the byte-level one (token id = byte value, as ours), or the
+tokenizer.json of the prepared folder it trained on (python -m tools.prepare_data), with its
+end-of-text token as the model's end and start of a text. Then it loads the folder
 with transformers and prints how far its logits are from ours on a test text. Import reads
 such a folder back into one file of our weights (the layout of ``python -m common.checkpoint
 export``), which ``python -m tools.generate`` and ``torch.load`` read. The mapping, RoPE's
@@ -23,17 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from common.errors import UserError, main_guard
-from common.generate import encode, find_weights, load_trained, require_bytes
+from common.generate import codec_for, find_weights, load_trained
 from common.hf import (byte_tokenizer, from_hf_state_dict, llama_config, model_config, refuse_moe, require,
                        to_hf_state_dict)
 from common.model import Transformer
 
 
-def export(run, out) -> Path:
+def export(run, out, tokenizer: str | None = None) -> Path:
     """Write the run's model as a transformers Llama folder; return the folder."""
     found = find_weights(run)
     refuse_moe(found.cfg)
-    require_bytes(found)  # the tokenizer is the bytes'
+    codec = codec_for(found, tokenizer)
     safetensors = require("safetensors.torch")
     trained = load_trained(found)  # fp32 on the CPU, whatever the run trained in
     cfg = trained.cfg
@@ -45,21 +47,31 @@ def export(run, out) -> Path:
                         f"write to.") from None
     config = llama_config(cfg)
     config.architectures = ["LlamaForCausalLM"]
+    if codec.eot:  # every prepared document starts with it: the end of one text and the start of the next
+        config.bos_token_id = config.eos_token_id = codec.start[0]
     config.save_pretrained(out)
     tensors = to_hf_state_dict(trained.model.state_dict(), cfg)
     safetensors.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    byte_tokenizer().save_pretrained(out)
+    if codec.tokenizer is None:
+        byte_tokenizer().save_pretrained(out)
+    else:
+        transformers = require("transformers")
+        transformers.PreTrainedTokenizerFast(tokenizer_object=codec.tokenizer, bos_token=codec.eot, eos_token=codec.eot,
+                                             clean_up_tokenization_spaces=False).save_pretrained(out)
+    what = "a byte-level tokenizer" if codec.tokenizer is None else f"the tokenizer of {codec.name}"
     print(f"wrote {out}: config.json, model.safetensors ({len(tensors)} tensors of the {trained.name} model from "
-          f"{trained.source}) and a byte-level tokenizer", flush=True)
+          f"{trained.source}) and {what}", flush=True)
     return out
 
 
-def compare(run, folder, text: str = "def fib(n):\n    return") -> float:
+def compare(run, folder, text: str = "def fib(n):\n    return", tokenizer: str | None = None) -> float:
     """Largest difference between transformers' logits for ``text`` and ours (fp32, CPU)."""
     transformers = require("transformers")
-    ours = load_trained(run).model
+    found = find_weights(run)
+    ours = load_trained(found).model
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    x = torch.tensor([encode(text)])
+    codec = codec_for(found, tokenizer)
+    x = torch.tensor([codec.start + codec.encode(text)])
     with torch.no_grad():
         return (ours(x) - theirs(x).logits).abs().max().item()
 
@@ -94,6 +106,9 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the folder to write (export), or the .pt file (--import)")
     p.add_argument("--import", dest="import_dir", default=None, metavar="HF_DIR",
                    help="read an exported folder back into one file of our weights instead")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a prepared folder or a tokenizer.json (default: the run's --data folder's tokenizer, else "
+                        "bytes); for a run whose data folder has moved")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="export without loading the folder with transformers to compare its logits with ours")
     args = p.parse_args(argv)
@@ -102,9 +117,9 @@ def main(argv=None):
     if args.import_dir is not None:
         import_hf(args.import_dir, args.out)
         return
-    export(args.run, args.out)
+    export(args.run, args.out, args.tokenizer)
     if args.check:
-        diff = compare(args.run, args.out)
+        diff = compare(args.run, args.out, tokenizer=args.tokenizer)
         print(f"transformers' LlamaForCausalLM loads it: its logits differ from ours by at most {diff:.2g} "
               f"(fp32, CPU)", flush=True)
 

@@ -5,8 +5,10 @@
 The run folder is any training script's --out: its OUT/weights.pt (--save-weights) or its
 newest checkpoint (--ckpt-every), whichever layout trained it (one device, DDP, FSDP, TP,
 PP, 2-D, 3-D, EP); a weights file or one checkpoint folder (step_...) works too. It prints
-the prompt, the continuation, and how fast the new tokens came. The loading, the KV cache
-and the sampling live in common/generate.py.
+the prompt, the continuation, and how fast the new tokens came. A run on a prepared folder
+(python -m tools.prepare_data) speaks its tokenizer, found through the run's --data, and its
+prompt starts a document (after the end-of-text token, as every document it trained on).
+The loading, the KV cache and the sampling live in common/generate.py.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from common.distributed import resolve_device
 from common.errors import UserError, main_guard
-from common.generate import decode, encode, find_weights, generate, load_trained, require_bytes
+from common.generate import codec_for, find_weights, generate, load_trained
 from common.training import AMP_DTYPES, amp_unsupported
 
 
@@ -35,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
                    help="0: always the most likely byte (greedy); higher: more varied (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely bytes; 0: all (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling (default: 0)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a prepared folder or a tokenizer.json (default: the run's --data folder's tokenizer, else "
+                        "bytes); for a run whose data folder has moved")
     p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     p.add_argument("--amp", default="off",
                    help="the dtype of the weights, the cache and the arithmetic: bf16, fp16 (CUDA) or off (fp32) "
@@ -66,11 +71,12 @@ def main(argv=None):
     why = amp_unsupported(device, args.amp)
     if why:
         raise UserError(why)
-    found, prompt = find_weights(args.run), encode(args.prompt)
-    require_bytes(found)
+    found = find_weights(args.run)
+    codec = codec_for(found, args.tokenizer)
+    prompt = codec.start + codec.encode(args.prompt)
     if len(prompt) > found.context:
-        raise UserError(f"--prompt is {len(prompt)} bytes, longer than the {found.context} positions the model "
-                        f"was trained on (its --seq-len); give a shorter prompt.")
+        raise UserError(f"--prompt is {len(prompt)} {'bytes' if codec.name == 'bytes' else 'tokens'}, longer than the "
+                        f"{found.context} positions the model was trained on (its --seq-len); give a shorter prompt.")
     trained = load_trained(found, device, AMP_DTYPES[args.amp] or torch.float32)
     tokens, seconds = generate(trained.model, torch.tensor([prompt], device=device), args.max_new_tokens,
                                trained.context, args.temperature, args.top_k, args.seed, kv_cache=args.kv_cache)
@@ -78,7 +84,7 @@ def main(argv=None):
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, top-k {args.top_k}, seed {args.seed}"
     print(f"{trained.name} model from {trained.source}, {device.type}, {'fp32' if args.amp == 'off' else args.amp}, "
           f"{how}:", flush=True)
-    print(args.prompt + decode(new), flush=True)
+    print(args.prompt + codec.decode(new), flush=True)
     print(f"{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:,.0f} tokens/s "
           f"({'KV cache' if args.kv_cache else 'no KV cache'})", flush=True)
 
