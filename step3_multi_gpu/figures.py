@@ -323,8 +323,10 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 ESTIMATES = {
     "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all"]], False),
     "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--ac", "full"]], False),
-    "est-1b": ([["--model", "1b", "--strategy", "single"],
-                ["--model", "1b", "--strategy", "single", "--gpu-mem", "24", "--ac", "full"]], True),
+    # at the batch the GPU runs of the next section measured: there checkpointing decides a 24 GiB card
+    # (at one sequence the optimizer step's peak is the same with it or without)
+    "est-1b": ([["--model", "1b", "--strategy", "single", "--batch", "4", "--gpu-mem", "24"],
+                ["--model", "1b", "--strategy", "single", "--batch", "4", "--gpu-mem", "24", "--ac", "full"]], True),
     "est-trace-debug": ([["--model", "debug", "--world-size", "2", "--strategy", "fsdp", "--seq-len", "64",
                           "--batch", "4", "--trace"]], True),
     "est-trace-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "fsdp", "--trace"]], True),
@@ -379,8 +381,8 @@ DRY_ESTIMATE = ["--model", "1b", "--vocab-size", "128256", "--world-size", "8", 
 
 
 # And the 8b preset (7.0B parameters, 104 GiB of model state) as rank 0 of FSDP over 16, at 32
-# tokens a sequence: about 5 minutes here, most of it the kernel handing out memory for each
-# gathered block (--only dry8b makes it).
+# tokens a sequence: minutes on 2 cores (its block's first line says how long it took), most of it
+# the kernel handing out memory for each gathered block (--only dry8b makes it).
 DRY_ESTIMATE_8B = ["--model", "8b", "--world-size", "16", "--strategy", "fsdp", "--batch", "16", "--seq-len", "32",
                    "--device", "cpu", "--dry-run"]
 DRY_ESTIMATES = {"est-dry-run-1b": DRY_ESTIMATE, "est-dry-run-8b": DRY_ESTIMATE_8B}  # block -> its command
@@ -466,10 +468,38 @@ def plan_blocks(suffix: str = "") -> dict[str, str]:
         text = out.getvalue().strip()
         blocks[name] = text if name == "plan-torchtitan" else f"```\n{text}\n```"
     layouts_figure(build_parser().parse_args(PLANS["plan-8b-4nodes"]), ROOT / "figs" / "plan_8b_layouts.png")
+    blocks["plan-8b-cp"] = plan_cp_table()
     bench = ROOT / "runs" / "bench_plan" / "bench_plan.md"
     if bench.exists():
         blocks["plan-bench"] = bench.read_text().strip()
     return blocks
+
+
+def plan_cp_table() -> str:
+    """Where context parallelism ranks in each of PLANS's plans, beside the fastest layout and the
+    fastest without CP at CP's checkpointing: train_cp.py runs full AC or none (its ring attention
+    refuses the selective modes), so the planner offers CP with full AC alone, and the page says
+    what that costs against a layout with selective AC."""
+    from common.model import get_config
+    from tools.plan import AC_MODES, build_parser, check, evaluate, layout_name, layouts, machine_of
+    lines = ["| plan | fastest layout | its step | fastest CP layout | its place | its step | CP / fastest | "
+             "fastest without CP at CP's AC | its step |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, flags in PLANS.items():
+        args = build_parser().parse_args(flags)
+        check(args)
+        machine = machine_of(args)
+        cfg = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
+        acs = AC_MODES if args.ac == "all" else (args.ac,)
+        fit, _ = evaluate(layouts(cfg, args.gpus, machine.gpus_per_node, args.global_batch_size or args.gpus,
+                                  args.seq_len, args.dtype, "cuda", acs, args.loss_chunks, args.split_root_unit),
+                          machine, args.compile, args.headroom)
+        i, cp = next((i, r) for i, r in enumerate(fit, 1) if r["plan"].strategy.startswith("cp"))
+        same = next(r for r in fit if not r["plan"].strategy.startswith("cp") and r["plan"].ac == cp["plan"].ac)
+        ms = lambda r: f"{r['time']['step'] * 1e3:,.0f} ms"  # noqa: E731
+        lines.append(f"| `{name}` | {layout_name(fit[0]['plan'])} | {ms(fit[0])} | {layout_name(cp['plan'])} | {i} of "
+                     f"{len(fit)} | {ms(cp)} | {cp['time']['step'] / fit[0]['time']['step']:.2f} | "
+                     f"{layout_name(same['plan'])} | {ms(same)} |")
+    return "\n".join(lines)
 
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown}); each

@@ -591,11 +591,25 @@ def _unit(peak: float):
     UNIT[:] = [GiB, "GiB"] if peak >= GiB / 4 else [2**20, "MiB"]
 
 
-def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry: dict | None = None):
+def gpu_text(gpu_mem: float) -> str:
+    """The GPU an answer assumes (--gpu-mem; its default is an 80 GB H100)."""
+    return f"an 80 GB H100 ({gpu_mem:g} GiB)" if gpu_mem == H100_80GB_GIB else f"a {gpu_mem:g} GiB GPU"
+
+
+def header(p: Plan, gpu_mem: float) -> str:
+    """The first line of a one-layout answer: what it assumed (batch, sequence, GPU; the
+    scripts' own defaults are smaller) and whose rank it shows. Printed before a trace or a dry
+    run starts, so the wait says what it is for."""
     est = worst_rank(p)
     _unit(est["peak"])
-    print(f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, "
-          f"AC {p.ac}, {p.device} kernels; rank {est['rank']}, {UNIT[1]}")
+    return (f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, AC {p.ac}, "
+            f"{p.device} kernels, on {gpu_text(gpu_mem)}; rank {est['rank']}, {UNIT[1]}")
+
+
+def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry: dict | None = None):
+    """The rows of a one-layout answer (``header`` printed its first line)."""
+    est = worst_rank(p)
+    _unit(est["peak"])
     measured = [(name, m) for name, m in (("trace", traced), ("dry run", dry)) if m]
     rows = [(c, est[c], [m[c] for _, m in measured]) for c in CATEGORIES]
     rows += [(k, v, [None] * len(measured)) for k, v in est["transient"].items()]
@@ -659,7 +673,8 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
     p0, pn = ps[0], ps[-1]
     _unit(worst_rank(p0)["peak"])
     print(f"model: {p0.cfg.n_layers} layers, dim {p0.cfg.dim}, {_n_params(p0) / 1e9:.3f}B parameters; global batch "
-          f"{pn.batch} x {p0.seq_len} tokens on {pn.world} GPUs ({p0.batch} on one), {p0.dtype}, AC {p0.ac}; "
+          f"{pn.batch} x {p0.seq_len} tokens on {pn.world} GPUs ({p0.batch} on one), each {gpu_text(gpu_mem)}, "
+          f"{p0.dtype}, AC {p0.ac}; "
           f"{UNIT[1]} per GPU on the fullest rank; fits = peak <= {memory_text(gpu_mem, headroom)}")
     head = "| strategy | parameters | gradients | AdamW state | activations | transient | peak | fits | sent/step/rank |"
     if traced:
@@ -754,6 +769,7 @@ def main(argv=None):
     check_layouts(ps)
     check_moe_layouts(ps, args.model)
     if len(ps) == 1 and args.strategy != "all":
+        print(header(ps[0], args.gpu_mem), flush=True)
         traced = None
         if args.trace and (why := DRY_TRACED.get(ps[0].strategy)):
             print(f"(--trace: {why}; the dry run stands in for the trace: rank 0 run for real, alone)")

@@ -74,8 +74,9 @@ POST_STEPS = [*step1.POST_STEPS, *step2.POST_STEPS, *step3.POST_STEPS, *step4.PO
 
 def update_readme(tables: dict[str, str]):
     """Replace the text between <!-- BEGIN name --> and <!-- END name --> markers, in
-    whichever page of the walkthrough (tools/docs.py) holds them."""
-    from tools.docs import block
+    whichever page of the walkthrough (tools/docs.py) holds them; then the numbers the prose
+    quotes from them (tools/docs.py's VALUES), so no sentence keeps a block's old number."""
+    from tools.docs import block, fill_pages
     for name, body in tables.items():
         found = block(name)
         if found is None:
@@ -86,6 +87,8 @@ def update_readme(tables: dict[str, str]):
         head, rest = path.read_text().split(begin, 1)
         _, tail = rest.split(end, 1)
         path.write_text(f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}")
+    for path in fill_pages():
+        print(f"{path.relative_to(ROOT)}: its numbers follow the blocks now", flush=True)
 
 
 def jobs(todo: list[Run]) -> list[list[Run]]:

@@ -460,6 +460,7 @@ class MemoryTracer:
         self._unpatch = None
         self.device = torch.device(device)
         self.enabled, self.start, self.steps = enabled, start, steps
+        self.first_step: int | None = None  # the run's first step here (a --resume starts past 0)
         self.active = False
         self.result: dict | None = None
         self._hooks = []
@@ -493,6 +494,8 @@ class MemoryTracer:
 
     @contextlib.contextmanager
     def record(self, step: int):
+        if self.first_step is None:
+            self.first_step = step
         if not self.will_record(step):
             yield
             return
@@ -893,6 +896,11 @@ class MemoryTracer:
             say(f"memory trace: steps {self.start}-{last} were asked for (--trace-start {self.start}, --trace-steps "
                 f"{self.steps}) but the run ended at step {done[-1]}; the trace holds step"
                 f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}.")
+        elif self.result is None and self.first_step is not None and self.first_step > last:
+            # a --resume past the window: those steps ran, before the checkpoint it resumed from
+            say(f"memory trace: nothing recorded, this run resumed at step {self.first_step}: steps "
+                f"{self.start}-{last} (--trace-start, --trace-steps) ran before the resume; a --trace-start of "
+                f"{self.first_step} or later traces a step of this run.")
         elif self.result is None:
             say(f"memory trace: nothing recorded, the run never reached step {self.start} (--trace-start); "
                 f"lower --trace-start or train longer to see its memory.")

@@ -334,6 +334,9 @@ class Metrics:
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step"),
             ("MFU", f"{s['mfu']:.1%} of {s['peak_flops_source']}" if s["mfu"] else
              f"n/a (no known peak FLOP/s for {s['device_name']})"),
+            # a CPU run's speed depends on it: each process's threads share the cores with every
+            # other process's (step 1's page says what to set)
+            ("CPU threads", f"{torch.get_num_threads()} a process (OMP_NUM_THREADS or torch.set_num_threads)"),
         ]
         for m in s["memory"]:
             who = f"rank {m['rank']} " if len(s["memory"]) > 1 else ""

@@ -1,0 +1,146 @@
+"""The numbers the pages quote cannot go stale, and what a newcomer reads first is true.
+
+A number the prose takes from a block, a report in figs/ or train.slurm is written between
+<!-- v:NAME --> and <!-- /v -->; tools/docs.py's VALUES renders it from that source, and the
+figures command (tools/figures.py: update_readme) renders them all after writing its blocks.
+These tests hold every such value to its source, refuse a name the registry lacks, and check
+that rewriting the blocks as they are changes no page while a changed block carries its number
+into the prose. Then the smaller promises: the Slurm script's flags as the preemption section
+quotes them, what the estimator and the planner say they assumed, the memory trace's message
+after a resume, and the CPU threads in a run's end table.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tools import docs
+from tools.docs import VALUE, VALUES, block, doc_paths, fill, stale
+
+from common import ROOT
+
+
+def test_every_value_in_the_pages_is_its_sources():
+    assert sum(len(VALUE.findall(p.read_text())) for p in doc_paths()) >= 60, "the walk found the pages' values"
+    bad = stale()
+    assert not bad, "stale numbers (python -m tools.docs rewrites them from their sources):\n" + "\n".join(bad)
+
+
+def test_every_value_name_is_known_and_used():
+    used = {name for p in doc_paths() for name, _ in VALUE.findall(p.read_text())}
+    assert used <= set(VALUES), f"markers naming no value of tools/docs.py: {sorted(used - set(VALUES))}"
+    assert set(VALUES) <= used, f"values no page quotes: {sorted(set(VALUES) - used)}"
+    with pytest.raises(KeyError, match="names no value"):
+        fill("a <!-- v:no-such-value -->1 GiB<!-- /v --> peak")
+    # markers come in pairs: an opening without its close would swallow the prose up to the next one
+    for p in doc_paths():
+        text = p.read_text()
+        assert text.count("<!-- v:") == text.count("<!-- /v -->") == len(VALUE.findall(text)), p.name
+        spans = re.findall(r"`[^`\n]*`", re.sub(r"```.*?```", "", text, flags=re.S))
+        assert not [c for c in spans if "<!-- v:" in c], f"{p.name}: a value inside a code span shows its markers"
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    """A copy of the pages and the sources their values read, for the figures command to rewrite."""
+    for rel in [*docs.DOCS, "figs/gpu_check_h200.json", "step4_multi_node/train.slurm"]:
+        if (ROOT / rel).exists():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / rel, tmp_path / rel)
+    import tools.figures
+    monkeypatch.setattr(docs, "ROOT", tmp_path)
+    monkeypatch.setattr(tools.figures, "ROOT", tmp_path)
+    return tmp_path
+
+
+def test_regenerating_an_unchanged_tree_changes_no_page(tree):
+    from tools.figures import update_readme
+    pages = {p: p.read_text() for p in docs.doc_paths()}
+    names = {m for text in pages.values() for m in re.findall(r"<!-- BEGIN ([\w-]+) -->", text)}
+    update_readme({name: block(name)[1] for name in names})  # every block as it is
+    assert {p: p.read_text() for p in pages} == pages
+
+
+def test_a_regenerated_block_carries_its_number_into_the_prose(tree):
+    from tools.figures import update_readme
+    page = tree / "step3_multi_gpu" / "will_it_fit.md"
+    old = VALUES["est-8b.zero3-peak"]()
+    body = block("est-8b")[1]
+    row = next(line for line in body.splitlines() if line.startswith("| fsdp_zero3 on 4 |"))
+    cells = row.split("|")
+    cells[7] = " 12.34 "  # the peak column
+    update_readme({"est-8b": body.replace(row, "|".join(cells))})
+    text = page.read_text()
+    assert "<!-- v:est-8b.zero3-peak -->12.34 GiB<!-- /v -->" in text and f"-->{old}<!-- /v --> peak" not in text
+    assert "<!-- v:est-8b.zero3-spare -->63 GiB<!-- /v -->" in text  # 75.65 usable less the new peak
+
+
+def test_the_preemption_section_quotes_train_slurm():
+    """Every #SBATCH line and torchrun timeout step 4's page shows is the script's; the window a
+    preemption leaves the ranks is said as Slurm and torchrun give it."""
+    slurm = (ROOT / "step4_multi_node" / "train.slurm").read_text()
+    page = (ROOT / "step4_multi_node" / "README.md").read_text()
+    quoted = re.findall(r"`(#SBATCH [^`]+)`", page)
+    assert quoted and all(q in slurm for q in quoted), quoted
+    assert VALUES["slurm.shutdown-timeout"]() in re.search(r"--shutdown-timeout (\d+)", slurm).group(0)
+    assert f"--signal=B:USR1@{VALUES['slurm.warning']()}" in slurm
+    text = " ".join(page.split())
+    assert "SIGTERM at once" in text and "min(GraceTime + KillWait" in text, "the preemption window"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`torchrun --help`" in readme and "below 2.13" not in readme.lower()
+
+
+def test_the_estimator_and_the_planner_say_what_they_assumed(capsys):
+    from tools.estimate import main as estimate
+    from tools.plan import main as plan
+    estimate(["--model", "debug", "--strategy", "single"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "batch 1 x 256 tokens" in first and "an 80 GB H100 (79.65 GiB)" in first, first
+    estimate(["--model", "debug", "--world-size", "2", "--strategy", "all", "--gpu-mem", "24"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "global batch 2 x 256 tokens" in first and "a 24 GiB GPU" in first, first
+    plan(["--model", "debug", "--gpus", "2", "--top", "1"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "global batch 2 x 256 tokens" in first and "on 2 x H100 SXM 80GB" in first, first
+
+
+def test_a_trace_window_before_the_resume_is_said_so(tmp_path):
+    import torch
+
+    from common.measure.memory import MemoryTracer
+    said = []
+    ctx = SimpleNamespace(print=said.append, is_main=True, rank=0, has_peers=False, world_size=1)
+    model = torch.nn.Linear(4, 4)
+    for first, expect in ((5, "this run resumed at step 5: steps 1-2 (--trace-start, --trace-steps) ran before"),
+                          (0, "the run never reached step 9")):
+        tracer = MemoryTracer(model, [], "cpu", start=1 if first else 9, steps=2, count_allocator=False)
+        for step in range(first, first + 2):
+            with tracer.record(step):
+                pass
+        assert tracer.save(tmp_path, ctx, "t") is None
+        assert expect in said[-1], said[-1]
+        tracer.close()
+
+
+def test_the_end_table_names_the_cpu_threads(capsys, tmp_path):
+    import torch
+
+    from common.measure.metrics import Metrics
+    s = {"model": "debug", "n_params": 1e5, "device_name": "CPU", "world_size": 1, "backend": "gloo",
+         "dtype": "fp32", "first_loss": 5.5, "final_loss": 5.0, "val_loss": None, "tokens_per_s": 1e3,
+         "step_time_s": 0.1, "mfu": None, "peak_flops_source": "", "memory": []}
+    Metrics._print_table(SimpleNamespace(args=SimpleNamespace(out=tmp_path)), s)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "CPU threads" in x)
+    assert f"{torch.get_num_threads()} a process" in line and "OMP_NUM_THREADS" in line
+
+
+def test_the_readme_says_how_to_run_the_tests():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "pytest-xdist" in (ROOT / "requirements.txt").read_text() and "pip install pytest-xdist" in readme
+    quick = re.search(r"python -m pytest (tests/test_\w+\.py(?: tests/test_\w+\.py)+)", readme)
+    assert quick and all((ROOT / f).exists() for f in quick.group(1).split())
+    assert "<!-- hand-measured:" in (ROOT / "README.md").read_text(), "the suite's time is marked as measured by hand"
