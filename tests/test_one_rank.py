@@ -151,9 +151,11 @@ def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
                                              "on the CPU"]
 
 
-# The GPU pass (tools/gpu_pass.py): what a developer with a lent GPU runs, in parts. No GPU
-# here, so what can be checked is that every command it would run parses with its own
-# tool's parser, that the parts cover every gpu_check run, and its budget and merge logic.
+# The GPU pass (tools/gpu_pass.py): what a developer with a lent GPU runs, in one command of
+# streams side by side. No GPU here, so what can be checked is that every command it would run
+# parses with its own tool's parser, that its gpu_check launches cover every gpu_check run once,
+# its memory gate, how it stops a command, its merge and refusals, and the same streams run on
+# the CPU (--rehearse) end to end.
 class _Parsed(BaseException):  # not Exception: main_guard turns those into exit 1
     pass
 
@@ -181,59 +183,208 @@ def _parses(argv: list[str], monkeypatch) -> None:
             runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
 
 
+def _matched(argv: list[str]) -> list[str]:
+    """The gpu_check runs one gpu_check command launches: --only's prefixes, toy runs under --cpu."""
+    from tools.gpu_check import CHECKS
+    prefixes = tuple(argv[argv.index("--only") + 1].split(","))
+    return [c.name for c in CHECKS if c.name.startswith(prefixes) and (c.toy or "--cpu" not in argv)]
+
+
 def test_every_gpu_pass_command_parses_and_its_checks_cover_gpu_check(monkeypatch):
     from tools import gpu_check, gpu_pass
 
-    for big in (False, True):
-        for part in gpu_pass.parts(big):
-            for c in part.commands:
-                if c[1:3] == ["-m", "pytest"]:
-                    continue
-                _parses(c[1:], monkeypatch)
-    only = [c[c.index("--only") + 1] for p in gpu_pass.parts() for c in p.commands if "--only" in c]
-    covered = [c.name for c in gpu_check.CHECKS if c.name.startswith(tuple(",".join(only).split(",")))]
-    assert covered == [c.name for c in gpu_check.CHECKS]  # nothing of gpu_check is left out of the pass
-    # the suite on a GPU machine's cores: one test file to a worker (its launches share folders)
-    import importlib.util
-    (suite,) = next(p for p in gpu_pass.parts() if p.name == "tests").commands
-    assert suite == gpu_check.suite_command() and suite[1:3] == ["-m", "pytest"]
-    assert (suite[-4:] == ["-n", "auto", "--dist", "loadfile"]) == bool(importlib.util.find_spec("xdist"))
+    for rehearse, big in [(False, False), (False, True), (True, False)]:
+        table = gpu_pass.streams(rehearse, big)
+        for stream in table:
+            for c in stream.commands:
+                if c.argv[:2] != ["-m", "pytest"]:
+                    _parses(c.argv, monkeypatch)
+        # gpu_check's launches: each of its runs exactly once (none twice: a lent GPU's minutes),
+        # every launch with a report folder of its own (merged at the end), in a gpu_check stream
+        launched = [(s.name, c.argv) for s in table for c in s.commands if c.argv[:2] == ["-m", "tools.gpu_check"]]
+        assert {name for name, _ in launched} == set(gpu_pass.CHECK_STREAMS)
+        names = [n for _, argv in launched for n in _matched(argv)]
+        assert sorted(names) == sorted(c.name for c in gpu_check.CHECKS if c.toy or not rehearse)
+        folders = [argv[argv.index("--report-dir") + 1] for _, argv in launched]
+        assert len(set(folders)) == len(folders) and all(f.startswith(gpu_pass.PARTS + "/") for f in folders)
+        assert all(("--cpu" in argv) == rehearse for _, argv in launched)
+        if rehearse:  # nothing of a rehearsal asks for the GPU (or for one by default: "auto")
+            assert all(c.gib == 0 for s in table for c in s.commands)
+            assert all("cuda" not in c.argv and "auto" not in c.argv for s in table for c in s.commands)
+    # one table: both modes have the same streams in the same phases
+    assert [(s.name, s.phase) for s in gpu_pass.streams(True)] == [(s.name, s.phase) for s in gpu_pass.streams()]
+    # the suite on the GPU machine's spare cores: gpu_check's command with the worker count set
+    (suite,) = next(s for s in gpu_pass.streams() if s.name == "tests").commands
+    if "-n" not in gpu_check.suite_command():  # no pytest-xdist here: gpu_check's command as it is
+        assert suite.argv == gpu_check.suite_command()[1:]
+    monkeypatch.setattr(gpu_check, "suite_command", lambda: [sys.executable, "-m", "pytest", "-q", "-n", "auto",
+                                                             "--dist", "loadfile"])
+    (suite,) = next(s for s in gpu_pass.streams(cores=16) if s.name == "tests").commands
+    others = sum(s.phase == 2 for s in gpu_pass.streams()) - 1
+    assert suite.argv == ["-m", "pytest", "-q", "-n", str(16 - others), "--dist", "loadfile"]
 
 
-def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys):
+def test_gpu_pass_memory_gate_and_stopping_a_command_with_all_it_started(tmp_path):
+    import os
+    import re
+    import threading
+    from pathlib import Path
+
     from tools import gpu_pass
 
-    P = gpu_pass.Part
-    a, b, c = P("a", 4, [], ""), P("b", 4, [], ""), P("c", 1, [], "")
-    assert gpu_pass.fits([a, b, c], 9) == ([a, b, c], [])
-    assert gpu_pass.fits([a, b, c], 8.5) == ([a, b], [c])
-    assert gpu_pass.fits([a, b, c], 5) == ([a], [b, c])  # in order: c waits for b
-    assert gpu_pass.fits([P("big", 12, [], ""), c], 9) == ([P("big", 12, [], "")], [c])  # progress every call
-    names = [p.name for p in gpu_pass.parts()]
-    for i, parts in enumerate([names[:2], [names[1], names[3]]]):  # a later call's part replaces an earlier one
-        d = tmp_path / f"call{i}"
-        d.mkdir()
-        rows = [{"name": n, "targets": "t", "commands": [{"command": "x", "rc": 0, "seconds": 1.0, "tail": f"{n}{i}"}]}
-                for n in parts]
-        (d / "gpu_pass.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "d",
-                                                     "parts": rows, "left": []}))
-    # the first call brought gpu_check's report back in its tarball; two of its one-rank runs
+    gate = gpu_pass.MemoryGate(10)
+    assert gate.acquire(6, time.monotonic() + 1)
+    assert not gate.acquire(6, time.monotonic() + 0.2)  # would not fit beside the 6 held: waits, then gives up
+    order = []
+    waiter = threading.Thread(target=lambda: order.append(("second", gate.acquire(6, time.monotonic() + 30))))
+    waiter.start()
+    time.sleep(0.3)
+    order.append(("released", None))
+    gate.release(6)
+    waiter.join(10)
+    assert order == [("released", None), ("second", True)] and gate.held == 6
+    gate.release(6)
+    assert gate.acquire(25, time.monotonic())  # more than the whole GPU: it runs when nothing else holds any
+    assert gpu_pass.MemoryGate(None).acquire(1e9, 0)  # the CPU: no gate
+
+    # A command past its deadline is stopped with what it started, even a child in a session of
+    # its own that ignores SIGINT (as torchrun's workers are started), and its output is kept.
+    child = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('child up', flush=True); "
+             "time.sleep(120)")
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
+            "start_new_session=True); print('grandchild', p.pid, flush=True); time.sleep(120)")
+    t = time.monotonic()
+    row = gpu_pass.run_command(gpu_pass.Command(["-c", code]), tmp_path, dict(os.environ), time.monotonic() + 5,
+                               tmp_path / "log", "the test's deadline")
+    assert time.monotonic() - t < 5 + gpu_pass.GRACE_S + 5
+    assert (row["status"], row["rc"]) == ("stopped", None)
+    assert "stopped after" in row["tail"] and row["tail"].rstrip().endswith("the test's deadline")
+    pid = int(re.search(r"grandchild (\d+)", row["tail"]).group(1))
+    time.sleep(0.5)
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # gone (or a zombie)
+
+
+def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_check(tmp_path, monkeypatch):
+    """The branches a rehearsal does not take, run here with a pretend 24 GiB GPU and commands
+    standing in for the tools: the memory gate (two 14 GiB commands, one after the other), a
+    command stopped at phase 2's end and the one after it not run, gpu_check's own --merge
+    joining the part reports the streams wrote, and the files that come back."""
+    import argparse
     import tarfile
+
+    from tools import gpu_pass
+
+    device = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(gpu_pass, "probe_gpu", lambda: {"name": device, "bytes": 24 * 2**30, "torch": "2.11.0+cu130"})
+    monkeypatch.setattr(gpu_pass, "RESERVE_S", 8)  # an 18 s pass: phase 1 until 6.3 s, phase 2 until 10 s
+    monkeypatch.setattr(gpu_pass, "MIN_START_S", 1)
+    ok = {"ok": True, "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "dtype": "bf16", "flags": [],
+          "allocator_peak_bytes": 2**30, "traced_peak_bytes": 2**30, "final_loss": 5.0, "scale": "125m", "ranks": 1,
+          "fake_world_size": None, "script": "s.py"}
+
+    def launch(part: str, run: str, figure: str) -> gpu_pass.Command:  # a gpu_check launch's files, as it writes them
+        report = json.dumps({"device": device, "gpus": 1, "torch": "2.11.0+cu130", "date": "2026-11-28",
+                             "runs": [{**ok, "name": run}], "tests": None, "wall_s": 1.0})
+        code = (f"import pathlib, time; time.sleep(1); d = pathlib.Path({gpu_pass.PARTS + '/' + part!r}); "
+                f"d.mkdir(parents=True); (d / 'gpu_check_h100.json').write_text({report!r}); "
+                f"(d / '{figure}_cuda_h100.png').write_bytes(b'png')")
+        return gpu_pass.Command(["-c", code], 14)
+
+    table = [gpu_pass.Stream("throughput", 1, "t", [gpu_pass.Command(["-c", "print('timed alone')"])]),
+             gpu_pass.Stream("check_a", 2, "t", [launch("check_a-1", "02_amp", "02_memory_trace_amp")]),
+             gpu_pass.Stream("check_b", 2, "t", [launch("check_b-1", "01_baseline", "01_memory_trace_baseline")]),
+             gpu_pass.Stream("dry8b", 2, "t", [gpu_pass.Command(["-c", "import time; print('up', flush=True); "
+                                                                       "time.sleep(60)"], 2),
+                                               gpu_pass.Command(["-c", "print('never')"], 2)])]
+    monkeypatch.setattr(gpu_pass, "streams", lambda rehearse=False, big=False: table)
+    out = tmp_path / "out"
+    args = argparse.Namespace(budget=18, report_dir=str(out), argv=["--report-dir", "OUT"])
+    assert gpu_pass.run_pass(args, rehearse=False) == 1  # not everything ran
+    assert sorted(p.name for p in out.iterdir()) == ["figs.tar.gz", "gpu_check_h100.json", "gpu_check_h100.md",
+                                                     "gpu_pass.json", "gpu_pass.md"]
+    report = json.loads((out / "gpu_pass.json").read_text())
+    assert (report["mode"], report["device"], report["gpu_memory_gib"]) == ("gpu", device, 24.0)
+    rows = {s["name"]: s["commands"] for p in report["phases"] for s in p["streams"]}
+    assert rows["throughput"][0]["tail"].strip() == "timed alone"
+    (a,), (b,) = rows["check_a"], rows["check_b"]
+    first, second = sorted([a, b], key=lambda c: c["at_s"])
+    assert second["waited_s"] > 0 and second["at_s"] >= first["at_s"] + first["seconds"] - 0.1  # 14 + 14 > 20 GiB
+    assert [c["status"] for c in rows["dry8b"]] == ["stopped", "not run"]
+    stopped = rows["dry8b"][0]["tail"]
+    assert stopped.startswith("up") and "phase 2's end (10 s into the budget)" in stopped
+    assert report["gpu_check_merge"]["status"] == "ok"
+    check = json.loads((out / "gpu_check_h100.json").read_text())
+    assert [r["name"] for r in check["runs"]] == ["01_baseline", "02_amp"] and check["note"] == gpu_pass.CONTENTION_NOTE
+    with tarfile.open(out / "figs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"figs/02_memory_trace_amp_cuda_h100.png", "figs/01_memory_trace_baseline_cuda_h100.png",
+            "trees/check_a/figs/gpu_check_parts/check_a-1/gpu_check_h100.json", "logs/dry8b_1.log",
+            "logs/gpu_check_merge.log"} <= names
+    assert "### dry8b: stopped" in (out / "gpu_pass.md").read_text()
+    # ... and what came back joins into figs/ here: the figures, gpu_check's parts, the pass's report
+    figs = tmp_path / "figs"
+    md = gpu_pass.merge([str(out)], figs).read_text()
+    assert (figs / "01_memory_trace_baseline_cuda_h100.png").read_bytes() == b"png"
+    assert [r["name"] for r in json.loads((figs / "gpu_check_h100.json").read_text())["runs"]] == ["01_baseline",
+                                                                                                  "02_amp"]
+    assert "### dry8b: stopped" in md and "| 01_baseline | no |" in md  # its predicted step beside the measured
+
+
+def _pass_folder(folder, device, streams, rehearse=False, tar_files=()):
+    """A pass's report folder as a lent machine sends it back: gpu_pass.json and the tarball."""
+    import io
+    import tarfile
+    folder.mkdir()
+    phases = [{"phase": n, "what": f"phase {n}", "until_s": 200 * n, "seconds": 10.0,
+               "streams": [{"name": name, "phase": n, "targets": "t", "state": "ok", "seconds": 1.0,
+                            "commands": [{"command": f"python {name}", "rc": 0, "status": "ok", "seconds": 1.0,
+                                          "gib": 0, "tail": f"{name} said {text}"}]}
+                           for name, phase, text in streams if phase == n]} for n in (1, 2)]
+    (folder / "gpu_pass.json").write_text(json.dumps({
+        "mode": "rehearse" if rehearse else "gpu", "device": device, "torch": "2.11.0+cu130", "date": "2026-11-28",
+        "commit": "abc1234", "budget_s": 570, "wall_s": 500.0, "phases": phases}))
+    with tarfile.open(folder / "figs.tar.gz", "w:gz") as tar:
+        for name, data in tar_files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_gpu_pass_merge_and_refusals(tmp_path, monkeypatch, capsys):
     from common.measure.steptime import GPUS, step_time
     from common.measure.theory import Plan
     from common.model import get_config
-    runs = [{"name": "02_amp", "ok": True, "step_time_s": 0.05, "dtype": "bf16"},
-            {"name": "1b_amp_compile", "ok": True, "step_time_s": 0.2, "dtype": "bf16"},
-            {"name": "1b_fp32", "ok": False, "error": "CUDA out of memory"}]
-    (tmp_path / "gpu_check_h100.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "runs": runs}))
-    with tarfile.open(tmp_path / "call0" / "figs.tar.gz", "w:gz") as tar:
-        tar.add(tmp_path / "gpu_check_h100.json", arcname="figs/gpu_check_h100.json")
-    (tmp_path / "gpu_check_h100.json").unlink()
+    from tools import gpu_pass
+
+    device = "NVIDIA H100 80GB HBM3"
+    ok = {"ok": True, "tokens_per_s": 1000.0, "mfu": 0.3, "dtype": "bf16", "allocator_peak_bytes": 2**30,
+          "traced_peak_bytes": 2**30, "final_loss": 5.0, "flags": [], "ranks": 1, "fake_world_size": None,
+          "script": "s.py"}
+
+    def part(runs: list[dict]) -> bytes:
+        return json.dumps({"device": device, "gpus": 1, "torch": "2.11.0+cu130", "date": "2026-11-28",
+                           "runs": runs, "tests": None, "wall_s": 60.0}).encode()
+
+    parts = "trees/{}/figs/gpu_check_parts/{}/gpu_check_h100.json"
+    _pass_folder(tmp_path / "p1", device, [("throughput", 1, "first"), ("check_a", 2, "first"), ("dry8b", 2, "first")],
+                 tar_files=[("figs/01_memory_trace_baseline_cuda_h100.png", b"png"),
+                            ("../evil.png", b"outside"), ("trees/../../evil.json", b"{}"),
+                            (parts.format("check_a", "check_a-1"), part([
+                                {**ok, "name": "02_amp", "step_time_s": 0.05, "scale": "125m"}])),
+                            (parts.format("check_b", "check_b-1"), part([
+                                {**ok, "name": "1b_amp_compile", "step_time_s": 0.2, "scale": "1b"},
+                                {"name": "1b_fp32", "ok": False, "error": "CUDA out of memory", "flags": [],
+                                 "scale": "1b", "ranks": 1, "fake_world_size": None, "script": "t.py"}]))])
+    _pass_folder(tmp_path / "p2", device, [("check_a", 2, "second")])  # a later pass's stream replaces the first's
     figs = tmp_path / "figs"
-    figs.mkdir()
-    md = gpu_pass.merge([str(tmp_path / "call0"), str(tmp_path / "call1")], figs).read_text()
-    assert (figs / "gpu_pass_h100.md").exists() and (figs / "gpu_check_h100.json").exists()  # unpacked
-    rows = {r["name"]: r for r in gpu_pass.predicted_vs_measured(json.loads((figs / "gpu_check_h100.json").read_text()))}
+    md = gpu_pass.merge([str(tmp_path / "p1"), str(tmp_path / "p2")], figs).read_text()
+    assert (figs / "01_memory_trace_baseline_cuda_h100.png").read_bytes() == b"png"
+    assert not (tmp_path / "evil.png").exists() and not (tmp_path / "evil.json").exists()
+    check = json.loads((figs / "gpu_check_h100.json").read_text())  # gpu_check's own merge of the part reports
+    assert [r["name"] for r in check["runs"]] == ["02_amp", "1b_fp32", "1b_amp_compile"]
+    assert check["note"] == gpu_pass.CONTENTION_NOTE
+    rows = {r["name"]: r for r in gpu_pass.predicted_vs_measured(check)}
     for name, model, batch, seq, compiled, measured in [("02_amp", "125m", 12, 1024, False, 0.05),
                                                          ("1b_amp_compile", "1b", 4, 2048, True, 0.2)]:
         t = step_time(Plan(get_config(model), "single", batch=batch, seq_len=seq, dtype="bf16", device="cuda"),
@@ -243,19 +394,79 @@ def test_gpu_pass_budget_order_merge_and_refusals(tmp_path, monkeypatch, capsys)
         assert f"| {name} | {'yes' if compiled else 'no'} | {measured * 1e3:,.1f} | {t['step'] * 1e3:,.1f} |" in md
     assert rows["1b_fp32"] == {"name": "1b_fp32", "why": "CUDA out of memory"} and "| 1b_fp32 | - |" in md
     assert rows["01_baseline"]["why"] == "did not run"
-    heads = [line[3:] for line in md.splitlines() if line.startswith("## ")]
-    assert heads == [names[0], names[1], names[3], "One rank: the step-time model against the measured step"]
-    assert f"{names[1]}1" in md and f"{names[1]}0" not in md
-    assert f"left for another call: {', '.join(n for n in names if n not in heads)}" in md
+    heads = [line for line in md.splitlines() if line.startswith("#")]
+    assert heads == [f"# GPU pass on {device}", "## Phase 1: phase 1 (until 200 s; took 10.0 s)",
+                     "### throughput: ok, 1.0 s", "## Phase 2: phase 2 (until 400 s; took 10.0 s)",
+                     "### check_a: ok, 1.0 s", "### dry8b: ok, 1.0 s",
+                     "## One rank: the step-time model against the measured step"]
+    assert "check_a said second" in md and "check_a said first" not in md and "dry8b said first" in md
+    assert (figs / "gpu_pass_h100.md").read_text() == md
 
+    _pass_folder(tmp_path / "toy", "CPU (rehearsal: tiny models)", [("check_a", 2, "toy")], rehearse=True)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv, sentence in [([], "error: no CUDA GPU is visible here; the GPU pass measures a GPU: run it on one "
-                                "(--list shows what it would run)"),
-                           (["--parts", "nope"], f"error: no part is called 'nope'; the parts are {', '.join(names)}"),
-                           (["--budget", "10"], "error: --budget must be between 60 and 3600 seconds (got 10)")]:
+    for argv, sentence in [
+            ([], "error: no CUDA GPU is visible here; the GPU pass measures a GPU: run it on one, or pass --rehearse "
+                 "for the same streams on the CPU (--list shows what it would run)"),
+            (["--budget", "10"], "error: --budget must be between 60 and 3600 seconds (got 10)"),
+            (["--budget", "nan", "--rehearse"], "error: --budget must be between 60 and 3600 seconds (got nan)"),
+            (["--rehearse"], "error: --report-dir is missing: name the empty or new folder the pass's files (at most "
+                             "8) go to"),
+            (["--rehearse", "--report-dir", str(tmp_path / "full")],
+             f"error: --report-dir {tmp_path / 'full'} is not an empty folder: give a new one (the pass writes at "
+             f"most 8 files, and no others may be mistaken for them)"),
+            (["--merge", str(tmp_path / "toy")], f"error: --merge: {tmp_path / 'toy'} holds a rehearsal's report (the "
+                                                 f"CPU, tiny models): only GPU passes are merged into figs/"),
+            (["--merge", str(tmp_path / "nope")], f"error: --merge: no gpu_pass.json in {tmp_path / 'nope'} (give the "
+                                                  f"folders --report-dir filled)")]:
         assert gpu_pass.main(argv) == 2
         assert capsys.readouterr().err.strip().splitlines() == [sentence]
+
+
+def test_gpu_pass_rehearsal_runs_every_stream_and_brings_back_at_most_8_files(tmp_path):
+    """The pass on this CPU (--rehearse): both phases, every stream, every command exiting 0, at
+    most the 8 files a lent machine sends back, gpu_check's reports joined with a row for each
+    of its toy runs, and a tarball that opens (the figures, the part reports, every log)."""
+    import shlex
+    import tarfile
+
+    from tools import gpu_check, gpu_pass
+
+    out = tmp_path / "report"
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "tools.gpu_pass", "--rehearse", "--report-dir", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=hang_limit(360))
+    print(f"the rehearsal took {time.perf_counter() - t:.0f} s")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["figs.tar.gz", "gpu_check_cpu.json", "gpu_check_cpu.md", "gpu_pass.json", "gpu_pass.md"]
+    assert len(list(out.rglob("*"))) <= gpu_pass.MAX_FILES
+    report = json.loads((out / "gpu_pass.json").read_text())
+    assert report["mode"] == "rehearse" and report["commit"] and report["torch"] and report["date"]
+    table = gpu_pass.streams(rehearse=True)
+    assert [p["phase"] for p in report["phases"]] == [1, 2]
+    for p in report["phases"]:
+        assert [s["name"] for s in p["streams"]] == [s.name for s in table if s.phase == p["phase"]]
+        for s, stream in zip(p["streams"], (s for s in table if s.phase == p["phase"])):
+            assert [c["command"] for c in s["commands"]] == [f"python {shlex.join(c.argv)}" for c in stream.commands]
+            assert all(c["rc"] == 0 and c["status"] == "ok" for c in s["commands"]), s
+    # phase 1's commands ran alone, one after another; phase 2's side by side, after them
+    one, two = ([c for s in p["streams"] for c in s["commands"]] for p in report["phases"])
+    assert all(a["at_s"] + a["seconds"] <= b["at_s"] + 0.1 for a, b in zip(one, one[1:]))
+    assert max(c["at_s"] + c["seconds"] for c in one) <= min(c["at_s"] for c in two) + 0.1
+    firsts = [s["commands"][0] for s in report["phases"][1]["streams"]]
+    assert max(c["at_s"] for c in firsts) < min(c["at_s"] + c["seconds"] for c in two)  # every stream at once
+    check = json.loads((out / "gpu_check_cpu.json").read_text())
+    assert [row["name"] for row in check["runs"]] == [c.name for c in gpu_check.CHECKS if c.toy]
+    assert all(row["ok"] for row in check["runs"]), [row for row in check["runs"] if not row["ok"]]
+    with tarfile.open(out / "figs.tar.gz") as tar:
+        names = tar.getnames()
+    logs = {n for n in names if n.startswith("logs/")}
+    assert logs == {f"logs/{s.name}_{k}.log" for s in table for k in range(1, len(s.commands) + 1)}
+    assert {f"figs/{c.figure}_cpu_toy.png" for c in gpu_check.CHECKS if c.figure and c.toy} <= set(names)
+    assert len([n for n in names if n.endswith("/gpu_check_cpu.json")]) == len(gpu_pass.check_groups(True))
 
 
 def test_gpu_check_merge_keeps_every_row_and_refuses_another_gpu(tmp_path, capsys):
