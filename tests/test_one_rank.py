@@ -520,7 +520,7 @@ def test_the_h200_report_in_figs_keeps_every_run_and_its_errors():
     from tools import gpu_check
     report = json.loads((ROOT / "figs" / "gpu_check_h200.json").read_text())
     assert (report["device"], report["torch"], report["date"]) == ("NVIDIA H200", "2.11.0+cu130", "2026-11-26")
-    # runs gpu_check gained after that pass: 02_amp_ac_first (the AC retention's proof, issue 43)
+    # runs gpu_check gained after that pass: 02_amp_ac_first (a first traced step: nothing of an earlier step alive in it)
     since = {"02_amp_ac_first"}
     assert [r["name"] for r in report["runs"]] == [c.name for c in gpu_check.CHECKS if c.name not in since]
     failed = [r for r in report["runs"] if not r["ok"]]

@@ -395,6 +395,9 @@ def main(argv=None) -> int:
     p.add_argument("--report-dir", default=None,
                    help="where the report and figures go (default: figs/, or runs/gpu_check_cpu with --cpu)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per launch before it is stopped (default 420)")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="each run in a process (or torchrun job) of its own, as a learner runs it: no run can see "
+                        "another's leftovers, at a few seconds of start-up each (default: one launch per kind)")
     p.add_argument("--merge", nargs="+", metavar="REPORT",
                    help="join gpu_check_<gpu>.json reports made in parts (--only) into figs/ (no GPU needed): "
                         "every row, failures with their errors, and the CUDA figures found beside them")
@@ -447,6 +450,8 @@ def main(argv=None) -> int:
     one, dry = [c for c in checks if not (c.all_gpus or c.fake_world)], [c for c in checks if c.fake_world]
     launches = [("one", 1, one + dry if args.cpu else one), ("all", gpus, [c for c in checks if c.all_gpus]),
                 ("dry", 1, [] if args.cpu else dry)]
+    if args.fresh_process:
+        launches = [(f"{key}_{c.name}", nproc, [c]) for key, nproc, group in launches for c in group]
     for key, nproc, group in launches:
         if not group:
             continue

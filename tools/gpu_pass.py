@@ -161,12 +161,16 @@ def streams(rehearse: bool = False, big_memory: bool = False, cores: int | None 
             "check_c": "every step-3 script at one rank (fp32: step 1's losses) and as a GPU user trains it (bf16, "
                        "full AC, compiled)"}
     for name in CHECK_STREAMS:
-        cmds = [Command(["-m", "tools.gpu_check", *(["--cpu"] if rehearse else []), "--no-tests", "--only", prefixes,
+        # --fresh-process on a GPU: every script in a process of its own, so no run's peak holds
+        # another's (the rehearsal, timed by the suite, shares one: tests/test_memory.py proves a
+        # shared process leaves nothing of a finished run alive)
+        cmds = [Command(["-m", "tools.gpu_check", *(["--cpu"] if rehearse else ["--fresh-process"]), "--no-tests",
+                         "--only", prefixes,
                          "--report-dir", f"{PARTS}/{name}-{k}"], 0 if rehearse else gib)
                 for k, (_, prefixes, gib) in enumerate([g for g in checks if g[0] == name], 1)]
         out.append(Stream(name, 2, f"gpu_check: {what[name]}: the allocator's peak beside the tracer's (within 1%), "
                           "the CUDA memory figures; --merge sets the step-time model's one-rank prediction beside "
-                          "the 125m and 1b steps: within 10% (issue 38 item 6)", cmds))
+                          "the 125m and 1b steps: within 10%", cmds))
     dry8b = ["-m", "tools.estimate", "--model", "8b", "--vocab-size", "128256", "--world-size", "8",
              "--strategy", "fsdp", "--batch", str(8 * local), "--seq-len", "8192", "--ac", "selective",
              "--dtype", "bf16", "--device", "cuda", "--dry-run"]
@@ -597,7 +601,7 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-# gpu_check's one-rank runs whose step the step-time model predicts (issue 38 item 6): (run, compiled)
+# gpu_check's one-rank runs whose step the step-time model predicts: (run, compiled)
 ONE_RANK = [("01_baseline", False), ("02_amp", False), ("02_amp_compile_notrace", True), ("1b_fp32", False),
             ("1b_amp", False), ("1b_amp_compile", True)]
 
@@ -633,7 +637,7 @@ def predicted_vs_measured(check_report: dict) -> list[dict]:
 def prediction_markdown(rows: list[dict]) -> str:
     out = ["## One rank: the step-time model against the measured step", "",
            "`common/measure/steptime.py` on the spec sheet (achieved fraction and compile factor as "
-           "assumed there) beside gpu_check's mean step; target: within 10% (issue 38, item 6). gpu_check ran "
+           "assumed there) beside gpu_check's mean step; target: within 10%. gpu_check ran "
            "beside the pass's other memory streams on the same GPU: a measured step here is at most the step "
            "alone (the throughput benchmark's, above, ran alone).", "",
            "| run | compiled | measured ms | predicted ms | of it compute | measured / predicted |",
