@@ -119,10 +119,12 @@ def _eager():
 
 
 def _storage_bytes(tensors) -> int:
-    """The bytes of the distinct storages behind ``tensors`` (meta tensors hold none)."""
+    """The bytes of the distinct storages behind ``tensors`` (meta tensors hold none, nor do
+    the fake tensors torch.compile leaves behind, whose sizes may be symbolic)."""
+    from torch._subclasses.fake_tensor import FakeTensor
     storages = {}
     for t in _plain_tensors(tensors):
-        if t.is_meta:
+        if t.is_meta or isinstance(t, FakeTensor):
             continue
         try:
             st = t.untyped_storage()

@@ -6,8 +6,11 @@ parallelism's hooks between blocks (FSDP's all-gathers and reduce-scatters, DDP'
 bucketed all-reduces) stay outside the graphs, in eager mode, where they already overlap
 with compute. Applied after AC (the recomputation is then inside the graph, fused with
 the rest) and after tensor parallelism or FSDP have changed the block (the graph is
-traced on what really runs). ``Module.compile`` works in place: parameter names and
-state_dict keys do not change, so checkpoints load with or without ``--compile``.
+traced on what really runs). What runs eagerly before the first block must hand it a
+finished tensor, not one whose collective is still in flight (tensor parallelism's
+embedding does: common/parallelize/tp.py, EmbeddingParallel, says why). ``Module.compile``
+works in place: parameter names and state_dict keys do not change, so checkpoints load
+with or without ``--compile``.
 """
 from __future__ import annotations
 

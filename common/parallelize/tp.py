@@ -15,6 +15,28 @@ from common.errors import UserError
 from common.model import ModelConfig, Transformer
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """``RowwiseParallel`` for the token embedding, with its all-reduce (or reduce-scatter)
+    finished before the output leaves.
+
+    The stock style starts the collective asynchronously and hands on an
+    ``AsyncCollectiveTensor``, to be waited for where it is first used. Between eager layers
+    that is harmless. But the embedding runs eagerly and its output is the input of the
+    first compiled block (``--compile`` compiles block by block): the compiled graph waits
+    for such an input itself, and its backward then delivers the input's gradient, a plain
+    tensor, straight to the eager redistribution, past ``to_local``'s backward that would
+    have made it a DTensor (``'Tensor' object has no attribute '_local_tensor'`` in step 0's
+    backward). A finished tensor at that boundary keeps the backward chain whole, and
+    waiting here costs nothing: the first block needs the result at once.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)  # async_op=False: finished here
+        return outputs.to_local() if use_local_output else outputs
+
+
 def check_tp(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool):
     """Refuse shapes that do not split evenly over ``tp`` ranks (before any collective)."""
     for what, n, unit in (("n_heads", cfg.n_heads, "attention heads"),
@@ -53,8 +75,9 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False, loss_
     norm = SequenceParallel() if sequence_parallel else None
     outer = {
         # Split by vocabulary rows: each rank looks up the tokens in its range and an
-        # all-reduce (or reduce-scatter, with SP) fills in the rest.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        # all-reduce (or reduce-scatter, with SP) fills in the rest, finished before the first
+        # block (compiled or not) receives it.
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=between),
         **({"norm": norm} if norm else {}),
         "output": ColwiseParallel(input_layouts=between,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
