@@ -254,9 +254,10 @@ def test_gpu_pass_memory_gate_and_stopping_a_command_with_all_it_started(tmp_pat
     code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
             "start_new_session=True); print('grandchild', p.pid, flush=True); time.sleep(120)")
     t = time.monotonic()
-    row = gpu_pass.run_command(gpu_pass.Command(["-c", code]), tmp_path, dict(os.environ), time.monotonic() + 5,
+    # (12 s: both Pythons have started and spoken by then, even on a loaded machine)
+    row = gpu_pass.run_command(gpu_pass.Command(["-c", code]), tmp_path, dict(os.environ), time.monotonic() + 12,
                                tmp_path / "log", "the test's deadline")
-    assert time.monotonic() - t < 5 + gpu_pass.GRACE_S + 5
+    assert time.monotonic() - t < 12 + gpu_pass.GRACE_S + 5
     assert (row["status"], row["rc"]) == ("stopped", None)
     assert "stopped after" in row["tail"] and row["tail"].rstrip().endswith("the test's deadline")
     pid = int(re.search(r"grandchild (\d+)", row["tail"]).group(1))
@@ -277,7 +278,11 @@ def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_ch
 
     device = "NVIDIA H100 80GB HBM3"
     monkeypatch.setattr(gpu_pass, "probe_gpu", lambda: {"name": device, "bytes": 24 * 2**30, "torch": "2.11.0+cu130"})
-    monkeypatch.setattr(gpu_pass, "RESERVE_S", 8)  # an 18 s pass: phase 1 until 6.3 s, phase 2 until 10 s
+    # A 60 s pass: phase 1 until 6 s, phase 2 until 25 s (room for two launches one after the other
+    # on a loaded machine), then 35 s for the stop (SIGINT, SIGKILL 2 s later) and gpu_check's join
+    monkeypatch.setattr(gpu_pass, "TIMINGS_SHARE", 0.1)
+    monkeypatch.setattr(gpu_pass, "RESERVE_S", 35)
+    monkeypatch.setattr(gpu_pass, "GRACE_S", 2)
     monkeypatch.setattr(gpu_pass, "MIN_START_S", 1)
     ok = {"ok": True, "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "dtype": "bf16", "flags": [],
           "allocator_peak_bytes": 2**30, "traced_peak_bytes": 2**30, "final_loss": 5.0, "scale": "125m", "ranks": 1,
@@ -299,7 +304,7 @@ def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_ch
                                                gpu_pass.Command(["-c", "print('never')"], 2)])]
     monkeypatch.setattr(gpu_pass, "streams", lambda rehearse=False, big=False: table)
     out = tmp_path / "out"
-    args = argparse.Namespace(budget=18, report_dir=str(out), argv=["--report-dir", "OUT"])
+    args = argparse.Namespace(budget=60, report_dir=str(out), argv=["--report-dir", "OUT"])
     assert gpu_pass.run_pass(args, rehearse=False) == 1  # not everything ran
     assert sorted(p.name for p in out.iterdir()) == ["figs.tar.gz", "gpu_check_h100.json", "gpu_check_h100.md",
                                                      "gpu_pass.json", "gpu_pass.md"]
@@ -312,7 +317,7 @@ def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_ch
     assert second["waited_s"] > 0 and second["at_s"] >= first["at_s"] + first["seconds"] - 0.1  # 14 + 14 > 20 GiB
     assert [c["status"] for c in rows["dry8b"]] == ["stopped", "not run"]
     stopped = rows["dry8b"][0]["tail"]
-    assert stopped.startswith("up") and "phase 2's end (10 s into the budget)" in stopped
+    assert stopped.startswith("up") and "phase 2's end (25 s into the budget)" in stopped
     assert report["gpu_check_merge"]["status"] == "ok"
     check = json.loads((out / "gpu_check_h100.json").read_text())
     assert [r["name"] for r in check["runs"]] == ["01_baseline", "02_amp"] and check["note"] == gpu_pass.CONTENTION_NOTE

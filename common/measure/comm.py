@@ -196,11 +196,12 @@ def _caller() -> str:
     """The innermost line of this repository outside this file: who issued the collective."""
     import traceback
     from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
+
+    from common import own_line
     for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename)
-        if root in path.parents and path.name != "comm.py":
-            return f"{path.relative_to(root)}:{frame.lineno}"
+        where = own_line(frame.filename, frame.lineno)
+        if where and Path(frame.filename).name != "comm.py":
+            return where
     return "elsewhere"
 
 

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[2]
+from common import own_line
 _ACTIVE: list["SyncCounter"] = []  # the counters open now (step_begins tells each)
 
 
@@ -51,9 +51,9 @@ def step_begins(step: int | None):
 def _caller() -> str:
     """The innermost line of this repository in the current stack (where the sync was asked for)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        path = Path(frame.filename)
-        if ROOT in path.parents and path.name != "syncs.py":
-            return f"{path.relative_to(ROOT)}:{frame.lineno}"
+        where = own_line(frame.filename, frame.lineno)
+        if where and Path(frame.filename).name != "syncs.py":
+            return where
     return "elsewhere"
 
 
@@ -153,8 +153,7 @@ class SyncCounter:
             return
         for w in self._records[self._seen:]:
             if "synchronizing" in str(w.message):
-                path = Path(w.filename)
-                self._count(f"{path.relative_to(ROOT)}:{w.lineno}" if ROOT in path.parents else "elsewhere")
+                self._count(own_line(w.filename, w.lineno) or "elsewhere")
         self._seen = len(self._records)
 
     def per_step(self, steps=None) -> list[int]:
