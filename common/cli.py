@@ -183,15 +183,28 @@ def check_writable(out: Path):
     after hours of training. (Each rank its own probe name: ranks run this side by side.)"""
     import os
     probe = out / f".write_probe_{os.getpid()}"
-    missing = [p for p in [out, *out.parents] if not p.exists()]  # deepest first
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+
+    def refuse(e: OSError):
+        return UserError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); give a folder you can "
+                         f"write to.")
+    for attempt in range(3):
+        missing = [p for p in [out, *out.parents] if not p.exists()]  # deepest first
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise refuse(e) from None
         MADE_FOR_THIS_RUN[:] = missing  # this run's (a harness may run several in one process)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); give a folder you "
-                        f"can write to.") from None
+        try:
+            probe.write_text("ok")
+            probe.unlink()
+            return
+        except FileNotFoundError as e:
+            # Made, then gone: another rank made the folder, met an error of its own and removed
+            # it again (an empty folder it had made). Make it anew, to say this rank's own error.
+            if attempt == 2:
+                raise refuse(e) from None
+        except OSError as e:
+            raise refuse(e) from None
 
 
 def _check_it_can_fit(args):

@@ -277,3 +277,23 @@ def test_tensorboard_missing_is_one_sentence(monkeypatch, tmp_path, capsys):
                                                "installed; run pip install tensorboard, or drop --tensorboard.")
     assert not (tmp_path / "metrics.jsonl").exists()
     assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0  # the tutorial runs without it
+
+
+def test_an_out_another_rank_removed_is_made_anew(tmp_path, monkeypatch):
+    """Ranks make --out side by side; one that meets an error of its own removes the empty
+    folder it made. A rank that finds the folder gone between making it and writing its probe
+    makes it anew (and goes on to say its own error), instead of blaming --out."""
+    from pathlib import Path
+
+    from common.cli import check_writable
+    out, real, gone = tmp_path / "run", Path.write_text, []
+
+    def write_text(self, *args, **kwargs):
+        if not gone:  # the other rank's removal, between this rank's mkdir and its probe
+            gone.append(True)
+            self.parent.rmdir()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    check_writable(out)
+    assert gone and out.is_dir() and not list(out.iterdir())
