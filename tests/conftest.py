@@ -41,3 +41,40 @@ def hang_limit(seconds: float) -> float:
     fails every test of its file, as errors at the end of the run."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return seconds * max(1.0, workers * 2 / (os.cpu_count() or 2))
+
+
+# Each test file's time (setup, call and teardown of its tests, fixtures' launches included),
+# written at the end of a run of the whole suite to runs/test_times.json, from which
+# `python -m tools.test_times` writes the README's table of them.
+_FILE_SECONDS: dict[str, float] = {}
+_STARTED = [0.0]
+
+
+def pytest_sessionstart(session):
+    import time
+    _STARTED[0] = time.time()
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import json
+    import time
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _FILE_SECONDS:
+        return  # (a worker: the controller, which sees every report, writes it)
+    every = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    if sorted(Path(p).name for p in _FILE_SECONDS) != every:
+        return  # a part of the suite: the table is of the whole
+    (ROOT / "runs").mkdir(exist_ok=True)
+    (ROOT / "runs" / "test_times.json").write_text(json.dumps({
+        "wall_s": round(time.time() - _STARTED[0], 1), "exit_status": int(exitstatus),
+        "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), "cpu": _cpu(),
+        "files": {p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}}, indent=1))
+
+
+def _cpu() -> str:
+    from common.measure.metrics import cpu_name
+    return f"{cpu_name()}, {os.cpu_count()} cores"

@@ -143,4 +143,27 @@ def test_the_readme_says_how_to_run_the_tests():
     assert "pytest-xdist" in (ROOT / "requirements.txt").read_text() and "pip install pytest-xdist" in readme
     quick = re.search(r"python -m pytest (tests/test_\w+\.py(?: tests/test_\w+\.py)+)", readme)
     assert quick and all((ROOT / f).exists() for f in quick.group(1).split())
-    assert "<!-- hand-measured:" in (ROOT / "README.md").read_text(), "the suite's time is marked as measured by hand"
+    # the suite's time: each file's, from a full run (tools/test_times.py), every test file in it
+    from tools.docs import block
+    rows = re.findall(r"^\| (tests/test_\w+\.py) \|", block("test-times")[1], re.M)
+    assert sorted(rows) == sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")), \
+        "stale: run the whole suite, then python -m tools.test_times"
+
+
+def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tmp_path, capsys):
+    """tools/test_times.py: each file's seconds and share of a full run, slowest first; a run
+    that failed, or none, is refused in one sentence."""
+    import json
+
+    from tools import test_times
+    times = {"wall_s": 100.0, "exit_status": 0, "workers": 1, "cpu": "CPU (x), 2 cores",
+             "files": {"tests/test_a.py": 25.0, "tests/test_b.py": 75.0}}
+    text = test_times.table(times)
+    assert text.splitlines()[-2:] == ["| tests/test_b.py | 75.0 | 75% |", "| tests/test_a.py | 25.0 | 25% |"]
+    assert "100 s of wall time on CPU (x), 2 cores, one process" in text
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(times | {"exit_status": 1}))
+    assert test_times.main(["--times", str(path)]) == 2
+    assert test_times.main(["--times", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "failed (exit status 1)" in err and "run the whole suite first" in err

@@ -1,0 +1,53 @@
+"""The README's table of each test file's time, from the last full run of the suite.
+
+    python -m pytest               # a full run writes runs/test_times.json (tests/conftest.py)
+    python -m tools.test_times     # that run's times into README.md's test section
+
+The table is of the whole suite only: a run of some files, or one that failed, is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def table(times: dict) -> str:
+    files = sorted(times["files"].items(), key=lambda kv: -kv[1])
+    total = sum(s for _, s in files)
+    how = "one process" if times["workers"] == 1 else f"{times['workers']} workers (pytest-xdist)"
+    lines = [f"The last full run: {times['wall_s']:,.0f} s of wall time on {times['cpu']}, {how} "
+             f"(`python -m pytest`, then `python -m tools.test_times`). Each file's time is its tests' setup, "
+             f"call and teardown, its fixtures' launches included.", "",
+             "| file | seconds | share |", "|---|---|---|"]
+    lines += [f"| {path} | {s:,.1f} | {s / total:.0%} |" for path, s in files]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.test_times", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--times", default=str(ROOT / "runs" / "test_times.json"),
+                   help="the run's times (default: runs/test_times.json)")
+    args = p.parse_args(argv)
+    path = Path(args.times)
+    if not path.is_file():
+        print(f"error: no {path}: run the whole suite first (python -m pytest)", file=sys.stderr)
+        return 2
+    times = json.loads(path.read_text())
+    if times["exit_status"] != 0:
+        print(f"error: the run in {path} failed (exit status {times['exit_status']}): its times are not the suite's; "
+              f"fix it and run it again", file=sys.stderr)
+        return 2
+    from tools.figures import update_readme
+    update_readme({"test-times": table(times)})
+    print(table(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
