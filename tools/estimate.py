@@ -307,8 +307,8 @@ _TRACED: dict[str, dict] = {}  # repr((plan, rank)) -> trace: a plan is traced o
 def trace(p: Plan, rank: int | None = None) -> dict:
     """One rank's memory by category in one real training step of plan ``p``, traced without
     allocating: rank 0, or under pipeline parallelism ``rank`` (default: the rank the
-    formulas find fullest; the result's ``rank``). The second of two steps is measured
-    (AdamW's state is created in the first). The trace is deterministic: a process that
+    formulas find fullest; the result's ``rank``). One steady step is measured: AdamW's
+    state is made before it, as a first step would make it (``_adamw_state``). The trace is deterministic: a process that
     asks again for the same plan (the README's 8B table and its test, say) gets a copy."""
     import copy
     key = repr((p, rank))
@@ -375,11 +375,12 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
         from common.parallelize.ac import apply_ac
         apply_ac(model, p.ac)
     optimizer = _adamw(p, model)
-    tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=1, steps=1, count_allocator=False)
+    _adamw_state(optimizer, torch, set_to_none=True)
+    tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=0, steps=1, count_allocator=False)
     m = p.microbatches or p.pp
     first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
     shape = (p.batch // m, p.seq_len)
-    for step in range(2):
+    for step in range(1):
         with tracer.record(step):
             in_flight = {}
             for kind, i in schedule_order(p.schedule, p.pp, m)[rank]:
@@ -400,6 +401,19 @@ def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dic
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return dict(_traced(tracer), rank=rank)
+
+
+def _adamw_state(optimizer, torch, set_to_none: bool):
+    """AdamW's state, made as its first step makes it (two moments of each parameter's shape,
+    placement and dtype, and a step count), from zero gradients instead of a forward and
+    backward: the traced step is then a steady one, as the second of two would be, for half
+    the tracing. The gradients go as the script's zero_grad leaves them (DDP's and CP's stay,
+    zeroed in their buckets, which a steady step starts with)."""
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            q.grad = torch.zeros_like(q)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def _adamw(p: Plan, model):
@@ -460,7 +474,12 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     # the buckets), so that is what is traced for it.
     module = model
     optimizer = _adamw(p, model)
-    tracer = MemoryTracer(model, optimizer, device, start=1, steps=1, count_allocator=False)
+    # CP's ring builds small masks at its first forward and keeps them, which a steady step
+    # starts with: it takes a first step, untraced; every other layout starts steady at once
+    first = 1 if cp else 0
+    if not first:
+        _adamw_state(optimizer, torch, set_to_none=p.strategy != "ddp")
+    tracer = MemoryTracer(model, optimizer, device, start=first, steps=1, count_allocator=False)
     if fsdp:
         trace_fsdp_memory(tracer, model)
     # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy
@@ -470,7 +489,7 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
     if p.strategy in ("tp", "2d"):
         from torch.distributed.tensor.parallel import loss_parallel
         loss_ctx = loss_parallel
-    for step in range(2):
+    for step in range(first + 1):
         with tracer.record(step):
             x = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
             y = torch.randint(0, p.cfg.vocab_size, (seqs, p.seq_len), device=device)
