@@ -141,6 +141,11 @@ def test_the_end_table_names_the_cpu_threads(capsys, tmp_path):
 def test_the_readme_says_how_to_run_the_tests():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "pytest-xdist" in (ROOT / "requirements.txt").read_text() and "pip install pytest-xdist" in readme
+    # CI runs exactly the README's command for the whole suite, in a fresh venv made as the README says
+    ci = (ROOT / ".ci" / "run").read_text()
+    (command,) = re.findall(r"^python -m pytest.*$", ci, re.M)
+    assert f"{command} # the whole suite, on every core (what CI runs)" in readme, command
+    assert "python -m venv .venv" in ci and "pip install --quiet --disable-pip-version-check -r requirements.txt" in ci
     quick = re.search(r"python -m pytest (tests/test_\w+\.py(?: tests/test_\w+\.py)+)", readme)
     assert quick and all((ROOT / f).exists() for f in quick.group(1).split())
     # the suite's time: each file's, from a full run (tools/test_times.py), every test file in it
@@ -167,3 +172,25 @@ def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tm
     assert test_times.main(["--times", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert "failed (exit status 1)" in err and "run the whole suite first" in err
+
+
+def test_workers_take_the_slowest_files_first(monkeypatch):
+    """Under pytest-xdist each worker takes the next whole file when it is free: conftest
+    orders the files by the README's table, slowest first, a file it does not know first of
+    all, and keeps each file's own order; one process keeps pytest's order."""
+    from types import SimpleNamespace
+
+    import conftest
+    seconds = conftest.file_seconds()
+    assert sorted(seconds) == sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
+    slow, fast = max(seconds, key=seconds.get), min(seconds, key=seconds.get)
+    names = [f"{fast}::a", f"{slow}::b", "tests/test_new.py::c", f"{fast}::d", f"{slow}::e"]
+    items = [SimpleNamespace(nodeid=n) for n in names]
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == names
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == ["tests/test_new.py::c", f"{slow}::b", f"{slow}::e", f"{fast}::a", f"{fast}::d"]
+    ini = (ROOT / "pytest.ini").read_text()
+    assert "--dist loadfile" in ini and "--no-loadscope-reorder" in ini  # (xdist's own order: by test count)

@@ -1,6 +1,6 @@
 """The README's table of each test file's time, from the last full run of the suite.
 
-    python -m pytest               # a full run writes runs/test_times.json (tests/conftest.py)
+    python -m pytest -n auto       # a full run writes runs/test_times.json (tests/conftest.py)
     python -m tools.test_times     # that run's times into README.md's test section
 
 The table is of the whole suite only: a run of some files, or one that failed, is refused.
@@ -21,7 +21,7 @@ def table(times: dict) -> str:
     total = sum(s for _, s in files)
     how = "one process" if times["workers"] == 1 else f"{times['workers']} workers (pytest-xdist)"
     lines = [f"The last full run: {times['wall_s']:,.0f} s of wall time on {times['cpu']}, {how} "
-             f"(`python -m pytest`, then `python -m tools.test_times`). Each file's time is its tests' setup, "
+             f"(`python -m pytest{'' if times['workers'] == 1 else ' -n auto'}`, then `python -m tools.test_times`). Each file's time is its tests' setup, "
              f"call and teardown, its fixtures' launches included.", "",
              "| file | seconds | share |", "|---|---|---|"]
     lines += [f"| {path} | {s:,.1f} | {s / total:.0%} |" for path, s in files]
