@@ -466,9 +466,11 @@ def test_gpu_pass_rehearsal_runs_every_stream_and_brings_back_at_most_8_files(la
             assert [c["command"] for c in s["commands"]] == [f"python {shlex.join(c.argv)}" for c in stream.commands]
             assert all(c["rc"] == 0 and c["status"] == "ok" for c in s["commands"]), s
     # phase 1's commands ran alone, one after another; phase 2's side by side, after them
+    # (the report rounds each start and length to 0.1 s: an end read back from two rounded
+    # numbers may pass the next start, also rounded, by up to 0.15 s)
     one, two = ([c for s in p["streams"] for c in s["commands"]] for p in report["phases"])
-    assert all(a["at_s"] + a["seconds"] <= b["at_s"] + 0.1 for a, b in zip(one, one[1:]))
-    assert max(c["at_s"] + c["seconds"] for c in one) <= min(c["at_s"] for c in two) + 0.1
+    assert all(a["at_s"] + a["seconds"] <= b["at_s"] + 0.15 for a, b in zip(one, one[1:]))
+    assert max(c["at_s"] + c["seconds"] for c in one) <= min(c["at_s"] for c in two) + 0.15
     firsts = [s["commands"][0] for s in report["phases"][1]["streams"]]
     assert max(c["at_s"] for c in firsts) < min(c["at_s"] + c["seconds"] for c in two)  # every stream at once
     check = json.loads((out / "gpu_check_cpu.json").read_text())
