@@ -188,7 +188,8 @@ RUN_SETTINGS = (("model", "--model", None), ("n_layers", "--n-layers", None),
                 ("global_batch_size", "--global-batch-size", None), ("seq_len", "--seq-len", None),
                 ("lr", "--lr", None), ("warmup_steps", "--warmup-steps", None), ("data", "--data", None),
                 ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1),
-                ("data_id", "--data's contents (prepared folder's meta.json hash)", None))
+                ("data_id", "--data's contents (prepared folder's meta.json hash)", None),
+                ("doc_mask", "--doc-mask", False))
 
 
 def config_differences(meta: dict, args) -> list[str]:
@@ -196,7 +197,8 @@ def config_differences(meta: dict, args) -> list[str]:
     saved = dict(meta)
     saved.setdefault("n_layers", (meta.get("model_config") or {}).get("n_layers"))
     saved.setdefault("grad_accum", meta.get("grad_accum_steps", 1))  # the data position counts micro-batches
-    here = {"n_layers": args.model_config.n_layers, "grad_accum": getattr(args, "grad_accum", 1)}
+    here = {"n_layers": args.model_config.n_layers, "grad_accum": getattr(args, "grad_accum", 1),
+            "doc_mask": getattr(args, "doc_mask", False)}
     diff = []
     for key, flag, default in RUN_SETTINGS:
         there, now = saved.get(key, default), here.get(key, getattr(args, key, None))
@@ -411,7 +413,7 @@ class Checkpointer:
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
                 "data_id": getattr(self.args, "data_id", None),
                 "lr": self.args.lr, "warmup_steps": self.args.warmup_steps,
-                "grad_accum": getattr(self.args, "grad_accum", 1),
+                "grad_accum": getattr(self.args, "grad_accum", 1), "doc_mask": getattr(self.args, "doc_mask", False),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
 

@@ -131,6 +131,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args.vocab_size, args.data_id = found
     else:
         check_vocab_size(args.vocab_size, args.data)
+    _check_doc_mask(args)
     try:
         args.model_config = get_config(args.model, n_layers=args.n_layers, vocab_size=args.vocab_size)
     except ValueError as e:
@@ -267,6 +268,34 @@ def add_loss_flags(p: argparse.ArgumentParser) -> None:
                         "with a large vocabulary (default: 1, the plain loss)")
 
 
+def add_doc_mask_flags(p: argparse.ArgumentParser, refused: str | None = None) -> None:
+    """--doc-mask, for a script whose model reads its own tokens (common/model.py's
+    set_doc_mask). ``refused``: why this script cannot serve it, the end of the sentence
+    "--doc-mask cannot be used with ..." that parse then says."""
+    g = p.add_argument_group("documents")
+    g.add_argument("--doc-mask", action="store_true",
+                   help="attention never crosses a document boundary inside a window and RoPE positions restart at "
+                        "0 at each document (--data prepared by python -m tools.prepare_data: a document ends at "
+                        "its end-of-text token); costs a seq x seq mask per sequence, which takes SDPA off its "
+                        "fastest causal kernels on a GPU (default: off, causal attention over the whole window)"
+                        + (" (refused by this script)" if refused else ""))
+    p.set_defaults(doc_mask_refused=refused)
+
+
+def _check_doc_mask(args: argparse.Namespace) -> None:
+    """Adds ``args.doc_eot``: the end-of-text token id documents end at, None without --doc-mask."""
+    args.doc_eot = None
+    if not getattr(args, "doc_mask", False):
+        return
+    if args.doc_mask_refused:
+        raise UserError(f"--doc-mask cannot be used with {args.doc_mask_refused}; drop --doc-mask.")
+    eot = prepared.read_meta(Path(args.data))["tokenizer"].get("eot_id") if prepared.is_prepared(args.data) else None
+    if not isinstance(eot, int):
+        raise UserError(f"--doc-mask needs --data prepared with an end-of-text token (python -m tools.prepare_data), "
+                        f"which --data {args.data} is not: without one there is no document boundary to mask.")
+    args.doc_eot = eot
+
+
 def add_accum_flags(p: argparse.ArgumentParser, default: int = 4, what: str = "") -> None:
     g = p.add_argument_group("gradient accumulation")
     # --grad-accum-steps: step 3's old name, still accepted
@@ -322,7 +351,8 @@ def refuse_run_flags(args: argparse.Namespace, script: str) -> None:
 
 
 def saver_label(args: argparse.Namespace) -> str:
-    """The savers a run uses, for titles: "AMP bf16 + full AC + compiled" ("" without saver flags)."""
+    """The savers a run uses, for titles: "AMP bf16 + full AC + compiled" ("" without saver flags);
+    --doc-mask too, which changes what is computed (summary.json's "savers", which compare names)."""
     parts = []
     if hasattr(args, "amp"):
         parts.append("fp32" if args.amp == "off" else f"AMP {args.amp}")
@@ -334,6 +364,8 @@ def saver_label(args: argparse.Namespace) -> str:
         parts.append(f"{args.grad_accum} micro-batches")
     if getattr(args, "loss_chunks", 1) > 1:
         parts.append(f"loss in {args.loss_chunks} chunks")
+    if getattr(args, "doc_mask", False):
+        parts.append("per-document attention")
     return " + ".join(parts)
 
 

@@ -161,21 +161,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     the minus sign living in the table: one copy (the swap) and three elementwise ops,
     where slicing out the even and odd elements and stacking them back took eight.
     """
-    cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    if cos.dim() == 2:  # the tables: positions 0, 1, ... for every sequence
+        cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    else:  # (batch, seq, head_dim): each token's own row (--doc-mask: positions restart per document)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return x * cos + swapped * sin
 
 
 
-def kv_for_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str):
+def kv_for_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str, masked: bool = False):
     """(k, v, grouped) as the attention kernel takes them. Grouped-query attention (fewer k/v
-    heads than q heads) runs as it is (``enable_gqa``), except on CUDA in fp32: CUDA's
-    grouped kernel (flash) is half/bf16 only, and fp32 with enable_gqa would fall back to
-    the math kernel, which stores the seq x seq scores; there each k/v head is repeated for
-    its q heads instead.
-    CUDA path: tests/test_cuda_paths.py::test_fp32_grouped_attention_takes_the_expanded_heads_on_cuda"""
+    heads than q heads) runs as it is (``enable_gqa``), except on CUDA in fp32 or with a
+    mask (``masked``, --doc-mask): CUDA's grouped kernel (flash) is half/bf16 only and takes
+    no mask, and the kernel that takes a mask (memory-efficient) takes no grouped heads, so
+    enable_gqa would fall back to the math kernel, which stores the seq x seq scores; there
+    each k/v head is repeated for its q heads instead.
+    CUDA path: tests/test_cuda_paths.py::test_fp32_grouped_attention_takes_the_expanded_heads_on_cuda
+    and tests/test_doc_mask.py::test_masked_grouped_attention_takes_the_expanded_heads_on_cuda"""
     grouped = k.shape[2] != q.shape[2]
-    if grouped and device_type == "cuda" and q.dtype == torch.float32:
+    if grouped and device_type == "cuda" and (q.dtype == torch.float32 or masked):
         k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
         v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
         grouped = False
@@ -183,7 +188,8 @@ def kv_for_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type
 
 class Attention(nn.Module):
     # The attention kernel, (q, k, v, is_causal, enable_gqa) in SDPA's layout: context
-    # parallelism swaps in its ring from outside (common/parallelize/cp.py).
+    # parallelism swaps in its ring from outside (common/parallelize/cp.py). The ring is
+    # causal only: handed a mask (--doc-mask) it raises, and train_cp.py refuses the flag.
     sdpa = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, cfg: ModelConfig):
@@ -194,15 +200,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        """``mask``: None, causal attention over the whole window; or (batch, 1, seq, seq)
+        booleans, True where a query may attend to a key (--doc-mask: document_mask)."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v, grouped = kv_for_kernel(q, k, v, x.device.type)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=grouped)
+        k, v, grouped = kv_for_kernel(q, k, v, x.device.type, masked=mask is not None)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None:
+            out = self.sdpa(q, k, v, is_causal=True, enable_gqa=grouped)
+        else:  # the mask holds causality too: is_causal and attn_mask do not go together
+            out = self.sdpa(q, k, v, attn_mask=mask, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -320,8 +332,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        # mask by keyword: tensor parallelism's input plan (common/parallelize/tp.py) lays out
+        # the positional inputs (x, cos, sin) and passes keywords through untouched.
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -343,7 +357,32 @@ class Output(nn.Linear):
         return plain_cross_entropy(super().forward(h), targets)
 
 
+def document_mask(tokens: torch.Tensor, eot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, mask) for per-document attention (--doc-mask) over a (batch, seq) window.
+
+    A window may hold the end of one document and the start of others. A document starts at
+    the window's first token and right after each end-of-text token ``eot``; the end-of-text
+    token belongs to the document it ends. ``positions`` (batch, seq): each token's position
+    inside its document (0 at its start), the RoPE rows to read. ``mask`` (batch, 1, seq, seq):
+    True where query i may attend to key j: j <= i and both in the same document (the 1
+    broadcasts over the heads). It is the same for every layer, so it is built once a forward.
+    """
+    seq = tokens.shape[1]
+    idx = torch.arange(seq, device=tokens.device)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eot
+    doc = starts.cumsum(dim=1)  # which document of the window each token is in
+    first = torch.where(starts, idx, 0).cummax(dim=1).values  # where that document starts
+    mask = (doc[:, :, None] == doc[:, None, :]) & (idx[:, None] >= idx[None, :])
+    return idx - first, mask[:, None]
+
+
 class Transformer(nn.Module):
+    # --doc-mask (set from outside, set_doc_mask): the end-of-text token id whose documents
+    # attend only to themselves, or None: causal attention over the whole window.
+    doc_eot: int | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -361,8 +400,12 @@ class Transformer(nn.Module):
         # A pipeline stage without the embedding receives hidden states instead of tokens.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_for(h)
+        mask = None
+        if self.doc_eot is not None:  # each token's RoPE row by its position in its document
+            positions, mask = document_mask(tokens, self.doc_eot)
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
@@ -413,6 +456,16 @@ def set_loss_chunks(model: nn.Module, chunks: int) -> None:
         raise ValueError(f"loss chunks must be at least 1 (got {chunks})")
     if getattr(model, "output", None) is not None:
         model.output.loss_chunks = chunks
+
+
+def set_doc_mask(model: nn.Module, eot: int | None) -> None:
+    """``--doc-mask``: attention and RoPE positions restart at every document in a window, the
+    documents ending at token ``eot`` (None: off, causal attention over the whole window).
+    The boundaries are read from the input tokens, so the model must see them: a pipeline
+    stage without the embedding, which receives hidden states, cannot."""
+    if eot is not None and getattr(model, "tok_embeddings", None) is None:
+        raise ValueError("--doc-mask reads the document boundaries from the tokens: this model part has no embedding")
+    model.doc_eot = eot
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, seed: int = 0) -> Transformer:

@@ -16,7 +16,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import build_model
+from common.model import build_model, set_doc_mask
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
@@ -25,12 +25,14 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 def main():
     p = cli.parser(__doc__)
     cli.add_moe_flags(p)  # it also trains the mixture-of-experts presets (--model small-moe)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 1, fp32 baseline",

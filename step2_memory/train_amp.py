@@ -19,7 +19,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import build_model
+from common.model import build_model, set_doc_mask
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
@@ -28,6 +28,7 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 def main():
     p = cli.parser(__doc__)
     cli.add_amp_flags(p)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device)
@@ -35,6 +36,7 @@ def main():
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         optimizer = adamw(model.parameters(), args)  # --fused-adamw: one kernel for all parameters
         scheduler = lr_schedule(optimizer, args)
         if args.compile:

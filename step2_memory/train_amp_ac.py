@@ -22,7 +22,7 @@ from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
 from common.parallelize.ac import apply_ac
-from common.model import build_model
+from common.model import build_model, set_doc_mask
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 
@@ -32,6 +32,7 @@ def main():
     p = cli.parser(__doc__)
     cli.add_amp_flags(p)
     cli.add_ac_flags(p)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device)
@@ -39,6 +40,7 @@ def main():
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         # Per transformer block, from outside the model, and before torch.compile (which
         # then sees the recomputation and can fuse it).
         apply_ac(model, args.ac, every=args.ac_every)

@@ -21,7 +21,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import UserError, main_guard
-from common.model import build_model
+from common.model import build_model, set_doc_mask
 from common.parallelize.float8 import convert_float8, float8_unsupported
 from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
@@ -31,6 +31,7 @@ from common.training import adamw, clip_grad_norm, evaluate, lr_schedule
 def main():
     p = cli.parser(__doc__)
     cli.add_amp_flags(p, fp16=False)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     if args.amp == "fp16":
         raise UserError("--amp fp16 is not offered with float8: the matmuls already scale their own operands, "
@@ -44,6 +45,7 @@ def main():
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         # In place, from outside the model: Float8Linear keeps the fp32 weight as its
         # parameter (same names, same state_dict) and casts it to float8 at each call.
         float8 = convert_float8(model)

@@ -25,7 +25,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import UserError, main_guard
-from common.model import Transformer
+from common.model import Transformer, set_doc_mask
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
@@ -43,6 +43,7 @@ def main():
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -62,6 +63,7 @@ def main():
         # Tensor parallel first (inside the node), then FSDP over the result (across nodes).
         with torch.device("meta"):
             model = Transformer(args.model_config)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         apply_tp(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
         apply_ac(model, args.ac, every=args.ac_every)  # per block, inside each FSDP unit
         apply_fsdp(model, mesh["dp"], param_dtype=args.amp_dtype)  # bf16 gathers, fp32 shards and reduction

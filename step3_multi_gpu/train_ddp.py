@@ -29,7 +29,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import build_model, set_loss_chunks
+from common.model import build_model, set_doc_mask, set_loss_chunks
 from common.parallelize import comm_hooks
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
@@ -46,6 +46,7 @@ def main(argv=None):
     cli.add_loss_flags(p)
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)  # --comm-hook: compress each gradient bucket before it is all-reduced
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed_for(args) as ctx:
@@ -60,6 +61,7 @@ def main(argv=None):
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)  # all of step 1's weights, on every rank
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
         set_loss_chunks(model, args.loss_chunks)
         apply_compile(model, args.compile)  # per block: the strategy's hooks stay outside the graphs

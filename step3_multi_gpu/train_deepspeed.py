@@ -22,7 +22,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import build_model
+from common.model import build_model, set_doc_mask
 from common.parallelize.deepspeed_zero import (comms_logged, comms_logger, forget_groups, import_deepspeed,
                                                refuse_deepspeed_flags, zero_config, zero_sources)
 from common.run import Run
@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
                    help="1: shard AdamW's state; 2: and the gradients; 3: and the parameters (default: 2)")
     p.add_argument("--amp", default="off", choices=("off",), help="fp32 only (see above)")
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     refuse_deepspeed_flags(args)  # it checkpoints its own way, and clips by the global norm only
     deepspeed = import_deepspeed(args.device)
@@ -47,6 +48,7 @@ def main(argv=None):
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)  # train_ddp.py's samples
 
         model = build_model(args.model_config, ctx.device, seed=args.seed)  # step 1's weights
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         optimizer = adamw(model.parameters(), args)  # our AdamW: ZeRO wraps it and feeds it its partition
         # ZeRO --zero-stage, one micro-batch per rank, clipping to --max-norm, buckets of DDP's size
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(args, ctx.world_size))

@@ -28,7 +28,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import Transformer
+from common.model import Transformer, set_doc_mask
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.ep import (add_ep_flag, apply_ep, check_ep, expert_params, moe_layers, reduce_expert_grads,
@@ -46,6 +46,7 @@ def main(argv=None):
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
     add_ep_flag(p)  # --ep: the expert-parallel degree (default: every rank)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -61,6 +62,7 @@ def main(argv=None):
 
         with torch.device("meta"):
             model = Transformer(args.model_config)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
         # routing from the other ranks: it assumes an even one)
         apply_ep(model, mesh, even_routing=ctx.fake)

@@ -26,7 +26,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import Transformer, set_loss_chunks
+from common.model import Transformer, set_doc_mask, set_loss_chunks
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.float8 import convert_float8, precompute_fsdp_scales
@@ -42,6 +42,7 @@ def main(argv=None):
     cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
     cli.add_loss_flags(p)
     add_fsdp_flags(p)  # --no-reshard-after-forward (ZeRO-2), --hsdp, --cpu-offload, --split-root-unit, --float8
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     with distributed_for(args, cpu_collectives=args.cpu_offload) as ctx:  # (offloaded gradients: gloo beside NCCL)
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -57,6 +58,7 @@ def main(argv=None):
 
         with torch.device("meta"):  # shapes, no memory: the full model never exists anywhere
             model = Transformer(args.model_config)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)  # before fully_shard
         apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
         set_loss_chunks(model, args.loss_chunks)

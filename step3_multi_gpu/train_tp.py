@@ -27,7 +27,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
-from common.model import Transformer
+from common.model import Transformer, set_doc_mask
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.tp import apply_tp, check_tp
@@ -44,6 +44,7 @@ def main():
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
+    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
@@ -56,6 +57,7 @@ def main():
         # Build on meta, split, then allocate: no rank ever holds a full weight matrix.
         with torch.device("meta"):
             model = Transformer(args.model_config)
+        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         apply_tp(model, tp_mesh, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
         apply_ac(model, args.ac, every=args.ac_every)  # per block, around the split block's forward
         apply_compile(model, args.compile)  # per block, after the split: the graph holds the DTensor ops

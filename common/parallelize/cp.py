@@ -49,6 +49,11 @@ def add_cp_flags(p: argparse.ArgumentParser) -> None:
                         "instead of keeping them whole on each")
 
 
+# --doc-mask's refusal ("--doc-mask cannot be used with ...; drop --doc-mask."): common/cli.py says it
+CP_DOC_MASK = ("context parallelism (train_cp.py): its ring attention splits each sequence over the ranks and "
+               "computes causal attention only, with no per-document mask")
+
+
 def refuse_cp_compile(args: argparse.Namespace) -> None:
     """--compile around the hand-written ring is not offered (refused before any work)."""
     if args.compile:

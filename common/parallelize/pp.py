@@ -25,6 +25,9 @@ from common.training import eval_batch_count, global_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev")
 SIMULATED = ("gpipe", "1f1b", *V_SCHEDULES)  # the schedules simulate_schedule can play
+# --doc-mask's refusal ("--doc-mask cannot be used with ...; drop --doc-mask."): common/cli.py says it
+PP_DOC_MASK = ("pipeline parallelism: a stage after the first receives hidden states, not the tokens the document "
+               "boundaries are read from")
 
 
 def add_pp_flags(p: argparse.ArgumentParser, microbatches: int = 4, per: str = "step") -> None:
