@@ -272,6 +272,7 @@ def add_doc_mask_flags(p: argparse.ArgumentParser, refused: str | None = None) -
     """--doc-mask, for a script whose model reads its own tokens (common/model.py's
     set_doc_mask). ``refused``: why this script cannot serve it, the end of the sentence
     "--doc-mask cannot be used with ..." that parse then says."""
+    refused = refused or p.get_default("doc_mask_refused")  # (a script's own flags may have said why first)
     g = p.add_argument_group("documents")
     g.add_argument("--doc-mask", action="store_true",
                    help="attention never crosses a document boundary inside a window and RoPE positions restart at "
@@ -305,12 +306,13 @@ def add_accum_flags(p: argparse.ArgumentParser, default: int = 4, what: str = ""
 
 
 def add_saver_flags(p: argparse.ArgumentParser, accum_what: str = "") -> None:
-    """Step 3's flags for the savers of chapter 2, with a GPU user's defaults. fp16 is
+    """Step 3's flags for the savers of chapter 2, with a GPU user's defaults, and --doc-mask. fp16 is
     left out: its loss scale would have to agree across ranks (and be checkpointed), a
     recipe bf16 makes unnecessary on every GPU since Ampere."""
     add_amp_flags(p, default="bf16", fp16=False)
     add_ac_flags(p, default="none")
     add_accum_flags(p, default=1, what=accum_what)
+    add_doc_mask_flags(p)  # (not a saver: what attention sees; a script that cannot serve it said why before)
     # the names train_fsdp.py used before every script had the savers: still accepted
     p.add_argument("--mixed-precision", dest="amp", action="store_const", const="bf16", help=argparse.SUPPRESS)
     p.add_argument("--activation-checkpointing", dest="ac", action="store_const", const="full",

@@ -43,7 +43,6 @@ def main():
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)

@@ -29,9 +29,9 @@ from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
-from common.parallelize.pp import (PP_DOC_MASK, add_3d_flags, build_stage, check_no_accum, check_pp, last_stage_rank,
-                                   layout_3d, loss_fn, make_schedule, pipeline_evaluate, pipeline_loss,
-                                   pipeline_stages, stage_indices)
+from common.parallelize.pp import (add_3d_flags, build_stage, check_no_accum, check_pp, last_stage_rank, layout_3d,
+                                   loss_fn, make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages,
+                                   stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -43,7 +43,6 @@ def main():
     add_3d_flags(p)  # --pp, --dp, --tp (outer to inner), --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    cli.add_doc_mask_flags(p, refused=PP_DOC_MASK)  # its later stages never see the tokens
     args = cli.parse(p)
     check_no_accum(args)
     with distributed_for(args) as ctx:

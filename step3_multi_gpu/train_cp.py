@@ -34,8 +34,8 @@ from common.errors import main_guard
 from common.model import Transformer
 from common.parallelize.ac import apply_ac
 from common.parallelize.comm_hooks import register_comm_hook
-from common.parallelize.cp import (CP_DOC_MASK, add_cp_flags, apply_cp, check_cp, cp_degree, cp_evaluate, cp_title,
-                                   local_tokens, refuse_cp_compile)
+from common.parallelize.cp import (add_cp_flags, apply_cp, check_cp, cp_degree, cp_evaluate, cp_title, local_tokens,
+                                   refuse_cp_compile)
 from common.parallelize.ddp import ddp_no_buffer_sync
 from common.parallelize.fsdp import apply_fsdp
 from common.run import Run
@@ -48,7 +48,6 @@ def main():
     add_cp_flags(p)  # --no-load-balance, --dp, --fsdp
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    cli.add_doc_mask_flags(p, refused=CP_DOC_MASK)  # the ring is causal attention only
     args = cli.parse(p)
     refuse_cp_compile(args)  # the ring sends and receives inside every block's attention
     with distributed_for(args) as ctx:

@@ -46,7 +46,6 @@ def main(argv=None):
     cli.add_loss_flags(p)
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)  # --comm-hook: compress each gradient bucket before it is all-reduced
-    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed_for(args) as ctx:

@@ -46,7 +46,6 @@ def main(argv=None):
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
     add_ep_flag(p)  # --ep: the expert-parallel degree (default: every rank)
-    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -63,8 +62,7 @@ def main(argv=None):
         with torch.device("meta"):
             model = Transformer(args.model_config)
         set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        # each rank keeps its experts; tokens reach them by all-to-all (a dry run receives no
-        # routing from the other ranks: it assumes an even one)
+        # each rank keeps its experts, which tokens reach by all-to-all (a dry run: even routing)
         apply_ep(model, mesh, even_routing=ctx.fake)
         say_even_routing(ctx)
         apply_ac(model, args.ac, every=args.ac_every)

@@ -42,7 +42,6 @@ def main(argv=None):
     cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
     cli.add_loss_flags(p)
     add_fsdp_flags(p)  # --no-reshard-after-forward (ZeRO-2), --hsdp, --cpu-offload, --split-root-unit, --float8
-    cli.add_doc_mask_flags(p)
     args = cli.parse(p, argv)
     with distributed_for(args, cpu_collectives=args.cpu_offload) as ctx:  # (offloaded gradients: gloo beside NCCL)
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)

@@ -36,9 +36,8 @@ from common.measure.pipeline import ComputeTimer, bubble_report
 from common.measure.theory import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
-from common.parallelize.pp import (PP_DOC_MASK, add_pp_flags, build_stage, check_no_accum, check_pp, last_stage_rank,
-                                   loss_fn, make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages,
-                                   stage_indices)
+from common.parallelize.pp import (add_pp_flags, build_stage, check_no_accum, check_pp, last_stage_rank, loss_fn,
+                                   make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages, stage_indices)
 from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
@@ -49,7 +48,6 @@ def main():
     add_pp_flags(p, microbatches=4)  # --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    cli.add_doc_mask_flags(p, refused=PP_DOC_MASK)  # its later stages never see the tokens
     args = cli.parse(p)
     check_no_accum(args)
     with distributed_for(args) as ctx:

@@ -44,7 +44,6 @@ def main():
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    cli.add_doc_mask_flags(p)
     args = cli.parse(p)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch

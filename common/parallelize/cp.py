@@ -38,6 +38,7 @@ from common.model import ModelConfig, Transformer
 
 def add_cp_flags(p: argparse.ArgumentParser) -> None:
     """train_cp.py's own flags: the ring's load balancing, the data-parallel groups, FSDP."""
+    p.set_defaults(doc_mask_refused=CP_DOC_MASK)  # --doc-mask (common/cli.py's add_saver_flags) is refused
     p.add_argument("--load-balance", action=argparse.BooleanOptionalAction, default=True,
                    help="give each rank an early and a late chunk of the sequence, so that the causal mask "
                         "leaves every rank the same work (default: on)")

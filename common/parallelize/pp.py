@@ -32,6 +32,7 @@ PP_DOC_MASK = ("pipeline parallelism: a stage after the first receives hidden st
 
 def add_pp_flags(p: argparse.ArgumentParser, microbatches: int = 4, per: str = "step") -> None:
     """--schedule and --microbatches (a pipeline's --grad-accum)."""
+    p.set_defaults(doc_mask_refused=PP_DOC_MASK)  # --doc-mask (common/cli.py's add_saver_flags) is refused
     p.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} (default: 1f1b)")
     p.add_argument("--microbatches", type=int, default=microbatches,
                    help=f"micro-batches per {per} (default: {microbatches})")
