@@ -109,6 +109,32 @@ def _gpu_run(name: str) -> dict:
     return next(r for r in _gpu_report()["runs"] if r["name"] == name)
 
 
+H200_LOGS = ROOT / "figs" / "h200_2026-11-26"
+NANOGPT_MS = {"eager": 32.53, "compiled": 26.38}  # figs/h200_2026-11-26/README.md: nanoGPT's bench.py there
+
+
+def _h200(log: str, pattern: str) -> float:
+    """A number from one of the H200 session's logs in figs/h200_2026-11-26/."""
+    m = re.search(pattern, (H200_LOGS / log).read_text())
+    if m is None:
+        raise LookupError(f"figs/h200_2026-11-26/{log} has nothing like {pattern!r}")
+    return float(m.group(1).replace(",", ""))
+
+
+def _h200_ms(which: str) -> float:
+    return _h200({"eager": "ours_eager.log", "compiled": "ours_compile_trace.log"}[which], r"([\d.]+) ms/step")
+
+
+def _usable(name: str) -> float:
+    """The GiB an estimator block counts as usable (the GPU less its headroom)."""
+    return _num(_grab(name, r"fits(?: = peak <=| in) ([\d.]+) GiB"))
+
+
+def _dry8b(which: str) -> float:
+    """The 8b dry run's allocator on the H200: its peak allocated or reserved GiB."""
+    return _h200("dry8b.log", {"allocated": r"peak ([\d.]+) GiB allocated", "reserved": r"([\d.]+) GiB reserved"}[which])
+
+
 def _slurm(pattern: str) -> str:
     """What step4_multi_node/train.slurm says (the pages quote its flags)."""
     m = re.search(pattern, (ROOT / "step4_multi_node" / "train.slurm").read_text(), re.M)
@@ -160,6 +186,16 @@ _TT8, _TT8C, _TT128, _TT128C = ("Table 1: FSDP, eager", "Table 1: FSDP + compile
                                 "Table 3: FSDP + compile")
 _TP = "asyncTP benchmark"
 VALUES = {
+    # the H200 session's own logs (figs/h200_2026-11-26/): 125m against nanoGPT, the 8b dry run's allocator
+    "h200.ours-eager-ms": lambda: f"{_h200_ms('eager'):.1f} ms",
+    "h200.ours-compiled-ms": lambda: f"{_h200_ms('compiled'):.1f} ms",
+    "h200.nanogpt-eager-ms": lambda: f"{NANOGPT_MS['eager']:.2f} ms",
+    "h200.nanogpt-compiled-ms": lambda: f"{NANOGPT_MS['compiled']:.2f} ms",
+    "h200.eager-ratio": lambda: f"{_h200_ms('eager') / NANOGPT_MS['eager']:.2f}x",
+    "h200.compiled-ratio": lambda: f"{_h200_ms('compiled') / NANOGPT_MS['compiled']:.2f}x",
+    "h200.dry8b-allocated": lambda: f"{_dry8b('allocated'):.2f} GiB",
+    "h200.dry8b-reserved": lambda: f"{_dry8b('reserved'):.2f} GiB",
+    "h200.dry8b-ratio": lambda: f"{_dry8b('reserved') / _dry8b('allocated'):.2f}x",
     # README.md: what the default figures command makes, the GPU report, the Slurm script
     "dry-run-1b.time": lambda: f"{_seconds(_DRY[0]):.1f} s",
     "dry-run-8b.time": lambda: f"{_seconds(_DRY[1]):.1f} s",
@@ -310,6 +346,11 @@ VALUES = {
     # the default 4 GiB of headroom against that peak: what the allocator may reserve beyond it
     "tt-layout.headroom-share": lambda: "{:.0%}".format(
         _num(_grab("est-torchtitan-8b", r"less ([\d.]+) GiB headroom")) / _tt_peak(3)),
+    # that peak at the reserved/allocated ratio of the one GPU run of the layout (the H200's
+    # dry run, figs/h200_2026-11-26/dry8b.log), and what it leaves of the usable memory
+    "tt-layout.reserved-at-h200": lambda: _gib(_tt_peak(3) * _dry8b("reserved") / _dry8b("allocated")),
+    "tt-layout.left-at-h200": lambda: _gib(_usable("est-torchtitan-8b") - _tt_peak(3) * _dry8b("reserved")
+                                           / _dry8b("allocated")),
     # the planner's choices, and torchtitan's runs against its predictions
     "plan-1node.peak": lambda: f"{_num(_plan_row('plan-8b-1node', 1)[2]):.0f} GiB",
     "plan-1node.op-saves": lambda: f"{_num(_plan_row('plan-8b-1node', 1)[2]) - _num(_plan_row('plan-8b-1node', 2)[2]):.0f} GiB",
