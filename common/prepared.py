@@ -189,6 +189,19 @@ def vocab_of(spec: str, asked: int | None) -> tuple[int, str] | None:
     return meta["vocab_size"], identity(Path(spec))
 
 
+def take_vocab(args) -> None:
+    """``--data DIR`` of the estimator and the planner: the model takes the vocabulary of a
+    prepared folder's tokenizer, as a training script does (checked against --vocab-size when
+    both are given). They read nothing else of it."""
+    if getattr(args, "data", None) is None:
+        return
+    found = vocab_of(args.data, args.vocab_size)
+    if found is None:
+        raise UserError(f"--data {args.data} is not a folder python -m tools.prepare_data wrote (no {META} there); "
+                        f"give one, or --vocab-size alone.")
+    args.vocab_size = found[0]
+
+
 # ---- the tokenizer, for what uses a trained model (tools.generate, tools.export_hf) ----------
 def vocab_size_of(tok) -> int:
     """A tokenizers.Tokenizer's vocabulary as the model sees it: its largest id + 1."""

@@ -391,3 +391,36 @@ def test_export_hf_writes_the_runs_tokenizer(runs, bpe, tmp_path):
     with torch.no_grad():
         assert (hf(x).logits - load_trained(runs / "one").model(x)).abs().max().item() < 1e-5
     assert compare(runs / "one", tmp_path / "hf") < 1e-5
+
+
+def test_the_estimator_and_the_planner_take_the_vocabulary_of_prepared_data(bpe, capsys):
+    """--data DIR gives the estimator and the planner the tokenizer's vocabulary, as a script
+    takes it: the same numbers as --vocab-size of that size; the planner's commands train on
+    the folder; a folder that is not prepared, or a --vocab-size that disagrees, is one sentence."""
+    from tools import estimate, plan
+
+    flags = ["--model", "small", "--world-size", "2", "--strategy", "fsdp", "--batch", "4", "--seq-len", "64"]
+    estimate.main([*flags, "--data", str(bpe)])
+    by_data = capsys.readouterr().out
+    estimate.main([*flags, "--vocab-size", str(VOCAB)])
+    assert by_data == capsys.readouterr().out
+    estimate.main(flags)
+    assert capsys.readouterr().out != by_data  # (256 bytes: another model)
+    pflags = ["--model", "small", "--gpus", "2", "--gpu", "h100", "--global-batch-size", "8", "--seq-len", "256",
+              "--top", "2"]
+    plan.main([*pflags, "--data", str(bpe)])
+    planned = capsys.readouterr().out
+    plan.main([*pflags, "--vocab-size", str(VOCAB)])
+    by_vocab = capsys.readouterr().out
+    assert f"--data {bpe}" in planned and "--data synthetic" not in planned and "--vocab-size" not in planned
+    assert planned.replace(f"--data {bpe}", f"--vocab-size {VOCAB} --data synthetic") == by_vocab
+    for tool, argv in ((estimate, flags), (plan, pflags)):
+        with pytest.raises(SystemExit) as e:
+            tool.main([*argv, "--data", str(bpe.parent)])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip() == (f"error: --data {bpe.parent} is not a folder python -m "
+                                                    f"tools.prepare_data wrote (no meta.json there); give one, or "
+                                                    f"--vocab-size alone.")
+        with pytest.raises(SystemExit):
+            tool.main([*argv, "--data", str(bpe), "--vocab-size", str(VOCAB + 1)])
+        assert f"--vocab-size {VOCAB + 1} disagrees with --data {bpe}" in capsys.readouterr().err

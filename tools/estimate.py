@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
 from common.errors import UserError, main_guard
+from common.prepared import take_vocab
 from common.measure.memory import fmt_bytes
 from common.model import PRESETS, get_config
 from common.measure.theory import ALIASES, CATEGORIES, HEAD_LOSS_STRATEGIES, ROOT_REDUCE, STRATEGIES, Plan, predict
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary (default: 256 bytes; Llama 3's is 128256)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a folder python -m tools.prepare_data wrote: the model takes its tokenizer's vocabulary, as the "
+                        "training scripts do (default: --vocab-size, else the preset's 256 bytes)")
     p.add_argument("--world-size", type=int, default=1, help="number of GPUs (default: 1)")
     p.add_argument("--strategy", default="fsdp",
                    help=f"{', '.join(STRATEGIES)} (fsdp = fsdp_zero3), or 'all' for a table (default: fsdp)")
@@ -167,6 +171,7 @@ def check(args) -> None:
         raise UserError(f"--split-root-unit places FSDP's units (train_fsdp.py); {strategy} has none: drop it.")
     if args.vocab_size is not None and not 2 <= args.vocab_size <= 2**31 - 1:
         raise UserError(f"--vocab-size must be between 2 and 2**31 - 1 (got {args.vocab_size}).")
+    take_vocab(args)  # --data DIR: its tokenizer's vocabulary
     model_config(args)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: find common/
 
 from common.errors import UserError, main_guard  # noqa: E402
+from common.prepared import take_vocab  # noqa: E402
 from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
 from common.measure.theory import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="8b", help=f"model preset: {', '.join(PRESETS)} (default: 8b)")
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary (Llama 3's: 128256)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a folder python -m tools.prepare_data wrote: the model takes its tokenizer's vocabulary, and "
+                        "the commands train on it (default: --vocab-size on synthetic tokens, else 256 bytes)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) in all (default: 8)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs a node: rings that leave a node run at the NICs' speed (default: --gpus, one node)")
@@ -112,6 +116,7 @@ def check(args) -> None:
     if args.calibration and not Path(args.calibration).is_file():
         raise UserError(f"--calibration {args.calibration}: no such file; make it with python -m tools.plan "
                         f"--calibrate.")
+    take_vocab(args)  # --data DIR: its tokenizer's vocabulary
     cfg = model_config(args)
     if cfg.n_experts:
         raise UserError(f"--model {args.model} is a mixture of experts; the planner covers dense models (plan "
@@ -217,17 +222,25 @@ def command(p: Plan, args, per_node: int) -> str:
     extra += ["--loss-chunks", str(p.loss_chunks)] if p.loss_chunks > 1 else []
     extra += ["--split-root-unit"] if p.split_root else []
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
-    model += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
+    model += _data_flags(args)
     flags = [*model, *extra, "--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac]
     flags += ["--amp", "off"] if p.dtype == "fp32" else []
     flags += ["--compile"] if args.compile else []
     return f"{launch} step3_multi_gpu/{script} " + " ".join(flags)
 
 
+def _data_flags(args) -> list[str]:
+    """What the commands train on: --data DIR as given (the scripts take its vocabulary), or
+    random tokens of --vocab-size (the text has 256 byte values), or the default bytes."""
+    if getattr(args, "data", None):
+        return ["--data", args.data]
+    return ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
+
+
 def _one_device_command(p: Plan, args) -> str:
     """One GPU: the one-device chapters' scripts (step 1's fp32 baseline; step 2's bf16, with AC)."""
     flags = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
-    flags += ["--vocab-size", str(args.vocab_size), "--data", "synthetic"] if args.vocab_size else []
+    flags += _data_flags(args)
     flags += ["--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len)]
     if p.dtype == "fp32" and p.ac == "none":
         script = "step1_single_gpu/train.py"
