@@ -15,6 +15,7 @@ ranks (rank r takes every dp_size-th index of it). That is what lets the tests c
 from __future__ import annotations
 
 import sysconfig
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,8 @@ class Batches:
     position (epoch, global batches consumed in it): the same on every rank and for any
     world size, so a resumed run continues with exactly the batch it would have seen.
     ``pin_memory``: each batch in pinned memory (``Run`` sets it, ``pins_for`` the run's device).
+    ``wait_s``: the seconds the loop has spent waiting for batches so far (inside ``next``:
+    sampling, reading the windows, stacking them, pinning), which ``Run`` reports per step.
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch_size: int,
@@ -178,6 +181,7 @@ class Batches:
                                  sampler=self.sampler, drop_last=True)
         self.epoch, self.position = 0, 0
         self.pin_memory = False
+        self.wait_s = 0.0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -186,6 +190,9 @@ class Batches:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def __iter__(self):
+        # What runs between the caller's next() and the yield is the time the loop waits for a
+        # batch: the loader works in this process, on demand, with no batch made ahead
+        asked = time.perf_counter()
         while True:
             self.sampler.set_epoch(self.epoch)
             batches = iter(self.loader)
@@ -195,5 +202,7 @@ class Batches:
                 self.position += 1
                 if self.pin_memory:  # (rebound: the unpinned batch is not kept alive beside the pinned one)
                     batch = [t.pin_memory() for t in batch]
+                self.wait_s += time.perf_counter() - asked
                 yield batch
+                asked = time.perf_counter()
             self.epoch, self.position = self.epoch + 1, 0

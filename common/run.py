@@ -79,6 +79,7 @@ class Run:
         part = self.models if len(self.models) > 1 else self.models[0]
         if data is not None:  # a CUDA run's batches in pinned memory, for the copy that does not wait
             data.pin_memory = pins_for(ctx.device)
+        self.data, self._waited = data, None  # the loader's wait_s, read around each step
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel, can_save=checkpoints)
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
@@ -151,15 +152,20 @@ class Run:
         self.gc.collect()  # before the tracer starts: the traced step, too, begins with nothing left over
         count = self.counts_comm(step)
         self.comm_steps += count
+        waited = getattr(self.data, "wait_s", None)
         with self.tracer.record(step), (self.comm if count else contextlib.nullcontext()), \
                 self.profile.record(step):
             yield
+        # the seconds this step's next(batches) took, logged with the step (data_wait_s)
+        self._waited = None if waited is None else self.data.wait_s - waited
 
     def log(self, step: int, loss, **extra):
         """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank;
         tensors (loss, grad_norm) stay on the device: Metrics reads them one step late."""
         # Traced and counted steps run under a dispatch mode, profiled ones under the
         # profiler: all left out of the throughput.
+        if self._waited is not None:
+            extra["data_wait_s"] = self._waited
         rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
                                 or (self.profile.enabled and step in self.profile.steps),
                                 now=self.ckpt.saves_at(step),

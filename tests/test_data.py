@@ -155,3 +155,45 @@ def test_a_cuda_run_pins_its_batches_and_a_cpu_run_does_not_even_with_cuda_initi
     gc.collect()
     assert x is pinned[0] and y is pinned[1]
     assert [r() for r in unpinned] == [None, None]
+
+
+def test_the_loop_s_wait_for_batches_is_measured_per_step(monkeypatch, tmp_path, capsys):
+    """Batches.wait_s counts the time inside next() (the loader's work: sampling, reading the
+    windows, stacking) and nothing of the loop's own time between batches; a run logs each
+    step's wait (metrics.jsonl's data_wait_s), and summary.json and the end table give the
+    steady steps' mean and its share of the step time. A loader made slow on purpose (5 ms a
+    window) must show in every number."""
+    import json
+    import time
+
+    from common.data import TokenWindows
+    from tools.multirun import run_script
+
+    slow = 0.005
+    window = TokenWindows.__getitem__
+
+    def slow_window(self, i):
+        time.sleep(slow)
+        return window(self, i)
+
+    monkeypatch.setattr(TokenWindows, "__getitem__", slow_window)
+    data = Batches(torch.arange(1000) % 256, seq_len=8, global_batch_size=4)
+    batches = iter(data)
+    for _ in range(3):
+        next(batches)
+        time.sleep(0.05)  # the loop's own work: not a wait
+    assert 3 * 4 * slow <= data.wait_s < 3 * 4 * slow + 0.1
+    out = tmp_path / "run"
+    code, err = run_script("step1_single_gpu/train.py", ["--model", "debug", "--steps", "4", "--seq-len", "32",
+                                                         "--global-batch-size", "4", "--eval-batches", "0", "--device",
+                                                         "cpu", "--data", "synthetic", "--no-trace-memory", "--out",
+                                                         str(out)], capture_stderr=True)
+    assert code == 0, err[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(4 * slow <= r["data_wait_s"] < r["step_time_s"] for r in rows[1:]), rows
+    summary = json.loads((out / "summary.json").read_text())
+    steady = rows[1:]  # the throughput's steps: the first (warm-up) left out
+    assert summary["data_wait_s"] == pytest.approx(sum(r["data_wait_s"] for r in steady) / len(steady))
+    assert summary["data_wait_share"] == pytest.approx(summary["data_wait_s"] / summary["step_time_s"])
+    assert 0 < summary["data_wait_share"] < 1
+    assert f"({summary['data_wait_share']:.2%} of the step time)" in capsys.readouterr().out

@@ -70,7 +70,7 @@ def cpu_name() -> str:
 
 
 # What --tensorboard draws of each metrics.jsonl row, under the same names.
-SCALARS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
+SCALARS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "data_wait_s", "mfu", "peak_mem_bytes")
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -270,9 +270,23 @@ class Metrics:
 
     def throughput(self) -> tuple[float, float]:
         """Mean step time and tokens/s, leaving out the first step (warm-up) and traced steps."""
-        rows = [r for r in self.rows[1:] if not r["traced"]] or self.rows
+        rows = self._steady()
         dt = sum(r["step_time_s"] for r in rows) / len(rows)
         return dt, self.tokens_per_step / dt
+
+    def _steady(self) -> list[dict]:
+        return [r for r in self.rows[1:] if not r["traced"]] or self.rows
+
+    def data_wait(self, dt: float) -> dict | None:
+        """The loop's wait for batches over the same steps as the throughput: seconds a step
+        and the share of the step time (None: the script's loader reports none). The host's
+        time in next(): on a GPU, which runs ahead of the host, a wait shorter than the
+        device's step is hidden behind it, so the share is at most what the GPU lost."""
+        rows = [r for r in self._steady() if r.get("data_wait_s") is not None]
+        if not rows:
+            return None
+        wait = sum(r["data_wait_s"] for r in rows) / len(rows)
+        return {"data_wait_s": wait, "data_wait_share": wait / dt}
 
     def finish(self, memory: list[dict] | None = None, val_loss: float | None = None, said: tuple = (),
                **extra) -> dict | None:
@@ -295,7 +309,7 @@ class Metrics:
             "savers": saver_label(self.args), **{k: getattr(self.args, k, None) for k in ("lr", "seed")},
             "data": None if getattr(self.args, "data", None) is None else str(self.args.data),
             "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"], "val_loss": val_loss,
-            "step_time_s": dt, "tokens_per_s": tps,
+            "step_time_s": dt, "tokens_per_s": tps, **(self.data_wait(dt) or {}),
             **({"grad_norm": {"first": self.rows[0]["grad_norm"], "final": self.rows[-1]["grad_norm"],
                               "max": max(r.get("grad_norm", 0.0) for r in self.rows)}} if "grad_norm" in self.rows[0] else {}),
             "mfu": self.flops_per_step / dt / (self.peak * self.ctx.world_size) if self.peak else None,
@@ -332,6 +346,8 @@ class Metrics:
             ("loss", f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"
                      + (f" (validation {s['val_loss']:.3f})" if s["val_loss"] is not None else "")),
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step"),
+            *([("data wait", f"{s['data_wait_s'] * 1e3:.2f} ms/step in the loader ({s['data_wait_share']:.2%} of the "
+                              f"step time)")] if "data_wait_s" in s else []),
             ("MFU", f"{s['mfu']:.1%} of {s['peak_flops_source']}" if s["mfu"] else
              f"n/a (no known peak FLOP/s for {s['device_name']})"),
             # a CPU run's speed depends on it: each process's threads share the cores with every
