@@ -43,27 +43,6 @@ def hang_limit(seconds: float) -> float:
     return seconds * max(1.0, workers * 2 / (os.cpu_count() or 2))
 
 
-def file_seconds() -> dict[str, float]:
-    """Each test file's seconds in the last full run, from the README's table of them
-    (tools/test_times.py writes it; tests/test_docs.py holds it to every test file)."""
-    import re
-    text = (ROOT / "README.md").read_text()
-    block = text[text.find("<!-- BEGIN test-times -->"):text.find("<!-- END test-times -->")]
-    return {m[1]: float(m[2].replace(",", "")) for m in re.finditer(r"^\| (tests/test_\w+\.py) \| ([\d,.]+) \|", block, re.M)}
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Under pytest-xdist (``-n``), the slowest files first: each worker takes the next file
-    when it is free (``--dist loadfile``, in this order with ``--no-loadscope-reorder``: see
-    pytest.ini), so the last file to start is a short one and no worker waits long at the end
-    for the other. A file the table does not know yet goes first. One process keeps the files
-    in their alphabetical order."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    seconds = file_seconds()
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
-
-
 # Each test file's time (setup, call and teardown of its tests, fixtures' launches included),
 # written at the end of a run of the whole suite to runs/test_times.json, from which
 # `python -m tools.test_times` writes the README's table of them.

@@ -173,24 +173,3 @@ def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tm
     err = capsys.readouterr().err
     assert "failed (exit status 1)" in err and "run the whole suite first" in err
 
-
-def test_workers_take_the_slowest_files_first(monkeypatch):
-    """Under pytest-xdist each worker takes the next whole file when it is free: conftest
-    orders the files by the README's table, slowest first, a file it does not know first of
-    all, and keeps each file's own order; one process keeps pytest's order."""
-    from types import SimpleNamespace
-
-    import conftest
-    seconds = conftest.file_seconds()
-    assert sorted(seconds) == sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
-    slow, fast = max(seconds, key=seconds.get), min(seconds, key=seconds.get)
-    names = [f"{fast}::a", f"{slow}::b", "tests/test_new.py::c", f"{fast}::d", f"{slow}::e"]
-    items = [SimpleNamespace(nodeid=n) for n in names]
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    conftest.pytest_collection_modifyitems(None, None, items)
-    assert [i.nodeid for i in items] == names
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    conftest.pytest_collection_modifyitems(None, None, items)
-    assert [i.nodeid for i in items] == ["tests/test_new.py::c", f"{slow}::b", f"{slow}::e", f"{fast}::a", f"{fast}::d"]
-    ini = (ROOT / "pytest.ini").read_text()
-    assert "--dist loadfile" in ini and "--no-loadscope-reorder" in ini  # (xdist's own order: by test count)
