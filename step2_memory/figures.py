@@ -41,6 +41,51 @@ FLOAT8 = [
 ]
 
 
+# ---- a real vocabulary: the logits, and --loss-chunks ----------------------------------------
+# The tutorial's bytes give the output layer 256 columns; a subword tokenizer gives it tens of
+# thousands, and then the logits (tokens x vocabulary, fp32 in the loss) take a large share of the
+# peak. The same small model at a 32,768-token vocabulary (random tokens), the plain loss beside
+# --loss-chunks 8 (train_ddp.py at one rank: the script that offers it, plain python).
+_VOCAB = ["--model", "small", "--global-batch-size", "8", "--seq-len", "256", "--steps", "4", "--eval-batches", "0",
+          "--vocab-size", "32768", "--data", "synthetic", "--amp", "off"]
+VOCAB_RUNS = [Run("02_vocab/plain", "step3_multi_gpu/train_ddp.py", _VOCAB, job="02_vocab"),
+              Run("02_vocab/chunks", "step3_multi_gpu/train_ddp.py", _VOCAB + ["--loss-chunks", "8"], job="02_vocab")]
+
+
+def vocab_table(suffix: str = "") -> dict[str, str]:
+    """The two runs' traces on one scale (figs/02_memory_trace_vocab.png) and what is alive at
+    each one's peak, beside the size of the logits (block ``table-02-vocab``)."""
+    from tools.compare import RunResult, render_timelines
+
+    runs = {name: RunResult.load(label, run_dir(f"02_vocab/{name}", suffix))
+            for name, label in (("plain", "plain loss"), ("chunks", "--loss-chunks 8"))}
+    s = runs["plain"].summary
+    tokens, vocab = s["global_batch_size"] * s["seq_len"], s["model_config"]["vocab_size"]
+    what = (f"{s['model']} model at a {vocab:,}-token vocabulary, batch {s['global_batch_size']} x {s['seq_len']} "
+            f"tokens, fp32, {s['device_name']}")
+    render_timelines(list(runs.values()), ROOT / "figs" / f"02_memory_trace_vocab{suffix}.png",
+                     f"The loss at a real vocabulary, plain and in 8 chunks: {what}")
+    rows = ["| run | command | parameters | gradients | optimizer state | activations | other | peak |",
+            "|" + "---|" * 8]
+    for name, r in runs.items():
+        m = r.summary["memory"][0]
+        cells = " | ".join(fmt_bytes(m["at_peak"][c], ".1f") for c in ("parameters", "gradients", "optimizer state",
+                                                                            "activations", "other"))
+        cmd = " ".join(["python step3_multi_gpu/train_ddp.py", *(["--loss-chunks", "8"] if name == "chunks" else [])])
+        rows.append(f"| {r.label} | `{cmd}` | {cells} | **{fmt_bytes(m['peak_bytes'], '.1f')}** |")
+    peaks = {name: r.summary["memory"][0]["peak_bytes"] for name, r in runs.items()}
+    params = s["memory"][0]["at_peak"]["parameters"]
+    text = (f"The {s['model']} model at a {vocab:,}-token vocabulary, batch {s['global_batch_size']} x "
+            f"{s['seq_len']} tokens, fp32, on {this_device(s['device'])}; each command with "
+            f"`{' '.join(_VOCAB)}`. The fp32 logits of one step: {tokens:,} tokens x {vocab:,} x 4 bytes = "
+            f"{fmt_bytes(4 * tokens * vocab, '.1f')}, {4 * tokens * vocab / params:.1f}x the model's parameters "
+            f"({fmt_bytes(params, '.1f')}). The plain loss peaks at the start of backward, where the logits, "
+            f"their log-probabilities and the gradients made from them are alive together; in 8 chunks the "
+            f"peak is {peaks['chunks'] / peaks['plain']:.2f}x that.\n\n" + "\n".join(rows))
+    print(f"wrote figs/02_memory_trace_vocab{suffix}.png", flush=True)
+    return {f"table-02-vocab{suffix}": text}
+
+
 def chapter2(suffix: str = "") -> dict[str, str]:
     """Each saving's trace beside the baseline's, the peaks by category, and the table.
 
@@ -111,4 +156,4 @@ def float8_table(suffix: str = "") -> dict[str, str]:
 
 
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown})
-POST_STEPS = [("02", chapter2), ("02_float8", float8_table)]
+POST_STEPS = [("02", chapter2), ("02_float8", float8_table), ("02_vocab", vocab_table)]

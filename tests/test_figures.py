@@ -229,3 +229,28 @@ def test_gpu_report_block_is_current(tmp_path, monkeypatch):
     (figs / "gpu_check_cpu.md").write_text("a toy run: not for the README\n")
     monkeypatch.setattr(figures, "ROOT", tmp_path)
     assert figures.gpu_check_report()["gpu-check"] == "Made by `python -m tools.gpu_check` on 1 x NVIDIA H100"
+
+
+def test_the_vocabulary_table_holds_the_logits_and_what_chunks_take_off():
+    """README's table-02-vocab (python -m tools.figures --only 02_vocab): its logits are
+    tokens x vocabulary x 4 bytes from its own flags, and the loss in 8 chunks takes at least
+    that much off the plain loss's peak, everything else at the peak unchanged but the loss's
+    activations and temporaries."""
+    import re
+
+    from step2_memory.figures import _VOCAB
+
+    def parse_bytes(cell: str) -> float:  # "1.2 GiB" -> bytes
+        number, unit = cell.split()
+        return float(number) * 2 ** (10 * ["B", "KiB", "MiB", "GiB"].index(unit))
+    text = block("table-02-vocab")[1]
+    flags = dict(zip(_VOCAB[::2], _VOCAB[1::2]))
+    tokens, vocab = int(flags["--global-batch-size"]) * int(flags["--seq-len"]), int(flags["--vocab-size"])
+    said = re.search(r"logits of one step: ([\d,]+) tokens x ([\d,]+) x 4 bytes = ([\d.]+ \w+)", text)
+    assert said and (int(said[1].replace(",", "")), int(said[2].replace(",", ""))) == (tokens, vocab)
+    assert parse_bytes(said[3]) == pytest.approx(4 * tokens * vocab, rel=1e-3)
+    rows = {r.split("|")[1].strip(): [c.strip().strip("*") for c in r.split("|")[3:-1]]
+            for r in text.splitlines() if r.startswith("| ") and "`python" in r}
+    plain, chunks = rows["plain loss"], rows["--loss-chunks 8"]
+    assert plain[:3] == chunks[:3]  # parameters, gradients, optimizer state
+    assert parse_bytes(plain[-1]) - parse_bytes(chunks[-1]) >= 4 * tokens * vocab

@@ -36,12 +36,12 @@ from tools.figure_runs import Run, run_dir, summary, this_device  # noqa: E402,F
 from common import ROOT  # noqa: E402
 
 # The chapters' runs, in the order they are launched (runs of one job run in this order)
-CHAPTER1, CHAPTER2, FLOAT8 = step1.CHAPTER1, step2.CHAPTER2, step2.FLOAT8
+CHAPTER1, CHAPTER2, FLOAT8, VOCAB = step1.CHAPTER1, step2.CHAPTER2, step2.FLOAT8, step2.VOCAB_RUNS
 CHAPTER3A, CHAPTER3B, CHAPTER4 = step3.CHAPTER3A, step3.CHAPTER3B, step3.CHAPTER4
 CHAPTER3_CP, CHAPTER3_EP, DRY_CP_EP = step3.CHAPTER3_CP, step3.CHAPTER3_EP, step3.DRY_CP_EP
 CHAPTER5 = step4.CHAPTER5
 FLOAT8_DS = FLOAT8 + step3.DEEPSPEED
-RUNS = (CHAPTER1 + CHAPTER2 + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5 + FLOAT8_DS + CHAPTER3_CP + CHAPTER3_EP
+RUNS = (CHAPTER1 + CHAPTER2 + VOCAB + CHAPTER3A + CHAPTER3B + CHAPTER4 + CHAPTER5 + FLOAT8_DS + CHAPTER3_CP + CHAPTER3_EP
         + list(DRY_CP_EP.values()))
 
 
