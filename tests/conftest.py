@@ -71,8 +71,13 @@ def pytest_sessionfinish(session, exitstatus):
     (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs" / "test_times.json").write_text(json.dumps({
         "wall_s": round(time.time() - _STARTED[0], 1), "exit_status": int(exitstatus),
-        "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), "cpu": _cpu(),
+        "workers": _workers(session), "cpu": _cpu(),
         "files": {p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}}, indent=1))
+
+
+def _workers(session) -> int:
+    """pytest-xdist's workers (the controller's -n, resolved: 'auto' is the cores), or 1."""
+    return int(getattr(session.config.option, "numprocesses", None) or 1)
 
 
 def _cpu() -> str:
