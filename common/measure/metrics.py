@@ -281,7 +281,7 @@ class Metrics:
         """The loop's wait for batches over the same steps as the throughput: seconds a step
         and the share of the step time (None: the script's loader reports none). The host's
         time in next(): on a GPU, which runs ahead of the host, a wait shorter than the
-        device's step is hidden behind it, so the share is at most what the GPU lost."""
+        device's step is hidden behind it, so what the GPU lost is at most this share."""
         rows = [r for r in self._steady() if r.get("data_wait_s") is not None]
         if not rows:
             return None
