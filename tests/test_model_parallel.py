@@ -573,6 +573,37 @@ def test_the_pipeline_timer_reads_cuda_events_once_a_step(monkeypatch):
     assert b[:3] == ["B", 1, 0] and b[3:] == pytest.approx([start + 0.007, start + 0.011])
 
 
+def test_the_pipeline_timer_reads_the_wall_clock_once_a_step(monkeypatch):
+    """On a CPU each computation is timed on the host: the wall clock (shared by the ranks)
+    read once, at the step's start, and the monotonic clock after it. A wall clock that steps
+    back 0.5 ms between two computations (as a virtual machine's did, failing CI) must not
+    put the second's start before the first's end; lengths come from the monotonic clock."""
+    from types import SimpleNamespace
+
+    from common.measure import pipeline
+    mono, wall = [100.0], [5000.0]
+
+    def tick(s):
+        mono[0] += s
+        wall[0] += s - 0.0005  # the wall clock loses 0.5 ms at every tick
+
+    monkeypatch.setattr(pipeline, "time", SimpleNamespace(perf_counter=lambda: mono[0], time=lambda: wall[0]))
+    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda mb: tick(0.002),
+                            backward_one_chunk=lambda mb, full_backward=True: tick(0.003))
+    schedule = SimpleNamespace()
+    schedule.step = lambda: (stage.forward_one_chunk(0), stage.backward_one_chunk(0, full_backward=False),
+                             stage.forward_one_chunk(1))
+    timer = pipeline.ComputeTimer(schedule, [stage], "cpu")
+    schedule.step()
+    took = timer.take()
+    assert took["pipeline_start"] == 5000.0 and took["pipeline_end"] == pytest.approx(5000.007, abs=1e-9)
+    assert took["busy_s"] == pytest.approx(0.007)
+    (f0, i0, f1), = timer.timelines.values()
+    assert [a[:3] for a in (f0, i0, f1)] == [["F", 0, 0], ["I", 0, 0], ["F", 0, 1]]
+    assert f0[3:] + i0[3:] + f1[3:] == pytest.approx([5000.0, 5000.002, 5000.002, 5000.005, 5000.005, 5000.007], abs=1e-9)
+    assert f0[4] <= i0[3] and i0[4] <= f1[3]
+
+
 def test_stage_layers_puts_the_extra_layers_last():
     assert stage_layers(5, 2) == [[0, 1], [2, 3, 4]]
     assert stage_layers(5, 4) == [[0], [1], [2], [3, 4]]

@@ -17,7 +17,10 @@ class ComputeTimer:
     schedule's ``step``. The bubble is the rest of the pipeline's step: waiting for the
     neighbours. Wall-clock timestamps (``time.time()``) let ``bubble_report`` line the
     ranks up on one shared time axis (the ranks of one machine share its clock; across
-    machines, only as well as their clocks agree).
+    machines, only as well as their clocks agree). The wall clock is read once a step, at its
+    start; every time after it is that plus the monotonic clock's progress. The wall clock
+    alone can step back (an NTP correction, a virtual machine's clock): read around each
+    computation, it once put a computation's start 0.1 ms before the previous one's end.
 
     A GPU runs asynchronously: the host's clock around a computation would time its
     launches. On CUDA each computation is timed by two events on the GPU's stream, read
@@ -28,6 +31,7 @@ class ComputeTimer:
 
     def __init__(self, schedule, stages, device):
         self.busy_s, self.start, self.end = 0.0, None, None
+        self._wall_minus_mono = time.time() - time.perf_counter()  # re-read at each step's start
         # CUDA path: no CPU test: CUDA's events and synchronize exist only with a GPU (the bubble is timed on
         # the host clock on a CPU); tools/gpu_check.py times a pipeline on a GPU
         self.cuda = torch.device(device).type == "cuda"
@@ -40,14 +44,15 @@ class ComputeTimer:
             if self._untimed:
                 return step(*args, **kwargs)
             self._sync()
-            self.start = time.time()
+            self._wall_minus_mono = time.time() - time.perf_counter()
+            self.start = self._wall()
             if self.cuda:
                 self._origin = _event()
             try:
                 return step(*args, **kwargs)
             finally:
                 self._sync()
-                self.end = time.time()
+                self.end = self._wall()
                 self._read_events()
         schedule.step = timed_step
         if forward_only is not None:
@@ -81,14 +86,18 @@ class ComputeTimer:
                     return fn(*args, **kwargs)
                 finally:
                     self._pending.append([kind, stage_index, mb, begin, _event()])
-            t, wall = time.perf_counter(), time.time()
+            begin = self._wall()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - t
-                self.busy_s += elapsed
-                self.actions.append([kind, stage_index, mb, wall, wall + elapsed])
+                end = self._wall()
+                self.busy_s += end - begin
+                self.actions.append([kind, stage_index, mb, begin, end])
         return run
+
+    def _wall(self) -> float:
+        """Now on the wall clock's scale, read off the monotonic clock: never before an earlier reading."""
+        return time.perf_counter() + self._wall_minus_mono
 
     def _read_events(self):
         """CUDA, after the step's closing wait: each computation's start (from the step's own
