@@ -16,7 +16,6 @@ can pick up the first run's stale group. Keep such runs in separate jobs.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import io
 import os
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not
 sys.path.insert(0, str(ROOT))
 
 from common.errors import UserError, main_guard  # noqa: E402
+from common.measure.memory import collect_between_runs  # noqa: E402
 _state = {"count": 0, "store": None}
 
 
@@ -57,21 +57,21 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     spec.loader.exec_module(module)
     saved, sys.argv = sys.argv, [str(ROOT / script), *argv]
     err = io.StringIO()
-    code = 0
+    code = None  # (None: an exception other than SystemExit left main)
     threads = torch.get_num_threads()  # a script may set it (the step 2 benchmark does); the next one starts afresh
     try:
         with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
             module.main()
+        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     finally:
         sys.argv = saved
         torch.set_num_threads(threads)
         # Nothing of this run may reach into the next: a run that failed half-way leaves Python's
         # collector frozen (common/measure/memory.py's StepCollector) and its objects to a
         # collection; on a GPU the next run's allocator counters would start with them.
-        gc.unfreeze()
-        gc.collect()
+        collect_between_runs(failed=code != 0)
     return code, err.getvalue()
 
 

@@ -151,15 +151,20 @@ class StepCollector:
     the sign that nothing of one step outlives it unless a collector runs.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, watch: tuple = ()):
         self.enabled = enabled
+        self._watch = [weakref.ref(o) for o in watch]  # the run's model(s) and optimizer: see collect_between_runs
         self.objects: list[int] = []       # unreachable objects the collection found, per step
         self.tensor_bytes: list[int] = []  # bytes of the tensor storages among them, per step
         if enabled:
             # Collect first: freezing moves what exists now out of every later collection,
             # garbage included, and garbage frozen here (an earlier run's, in a process that
-            # runs several) would outlive every run after it.
-            gc.collect()
+            # runs several) would outlive every run after it. A full collection looks at every
+            # object of torch (0.1-0.3 s on a CPU): needed only when a run has ended in this
+            # process since the last one; before a process's first run, or right after
+            # collect_between_runs, only the young generations can hold new garbage.
+            gc.collect(2 if _RUN_ENDED[0] else 1)
+            _RUN_ENDED[0] = False
             gc.freeze()
 
     def collect(self):
@@ -185,12 +190,35 @@ class StepCollector:
             gc.freeze()
 
     def close(self):
-        """Give the objects frozen since the run began back to the collector, and collect: what
-        the run left in reference cycles goes now, not whenever Python collects next."""
+        """Collect what the run made and left in reference cycles (the frozen objects are not
+        looked at: a fraction of a millisecond), then give the frozen ones back to the
+        collector. Those (the model, the optimizer: the script still holds them) go with the
+        next full collection: Python's own, or collect_between_runs when a process runs
+        another run (tools/multirun.py)."""
         if self.enabled:
-            gc.unfreeze()
             gc.collect()
+            gc.unfreeze()
+            _RUN_ENDED[0] = True
+            _LAST_RUN[:] = self._watch
             self.enabled = False
+
+
+_RUN_ENDED = [False]  # a run has ended in this process since the last full collection
+_LAST_RUN: list = []  # weak references to the last run's model(s) and optimizer
+
+
+def collect_between_runs(failed: bool = False):
+    """Between two runs in one process: everything back to the collector, and a collection,
+    so that nothing of the run that ended is alive when the next one starts counting. A
+    model in reference cycles (FSDP2's module <-> FSDPParam) outlives its run until a full
+    collection, which looks at every object of torch (0.1-0.3 s); a model that its run's
+    end freed by itself, with its optimizer, needs only the young generations'. A failed
+    run (its exception's traceback holds its frames) always gets the full one."""
+    gc.unfreeze()
+    alive = [r for r in _LAST_RUN if r() is not None]
+    _LAST_RUN.clear()
+    gc.collect(2 if failed or alive else 1)
+    _RUN_ENDED[0] = False
 
 
 @contextlib.contextmanager
