@@ -4,11 +4,11 @@ the GPU check command (tools/gpu_check.py) works, in its CPU mode.
 A learner with one GPU (or a laptop) runs the step-3 scripts as written: plain ``python``
 (a process group of one) and ``torchrun --nproc-per-node 1`` must both work, for every
 strategy, and train exactly what step 1 trains. Two launches run side by side: one plain
-python process runs every variant in turn (tools/multirun.py); ``python -m
-tools.gpu_check --cpu`` runs step 1, step 2 and every step-3 script at toy scale, the
-step-3 ones under ``torchrun --nproc-per-node 1`` (as on a one-GPU machine), and each
-step-3 script's dry run of a 4-rank layout with every collective's tensors recorded; and
-beside them the GPU pass rehearsed on the CPU (``python -m tools.gpu_pass --rehearse``).
+python process runs every variant in turn (tools/multirun.py), and the GPU pass rehearsed on
+the CPU (``python -m tools.gpu_pass --rehearse``), whose gpu_check launches (``--cpu``) run
+step 1, step 2 and every step-3 script at toy scale, the step-3 ones under ``torchrun
+--nproc-per-node 1`` (as on a one-GPU machine), and each step-3 script's dry run of a 4-rank
+layout with every collective's tensors recorded; ``--keep-runs`` keeps their run folders.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, hang_limit
 from tests.tolerances import check_allocator, check_optimizer_path
 
-TIMEOUT_S = hang_limit(420)  # a hang detector: the three launches take about 80 s on an idle 2-core machine
+TIMEOUT_S = hang_limit(420)  # a hang detector: the two launches take about 80 s on an idle 2-core machine
 FLAGS = ["--model", "debug", "--steps", "4", "--seq-len", "32", "--global-batch-size", "4", "--data", "synthetic",
          "--eval-batches", "0", "--no-trace-memory", "--device", "cpu"]
 S3 = "step3_multi_gpu/"
@@ -66,10 +66,10 @@ def launches(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_rank")
     cmds = {
         "python": [sys.executable, "tools/multirun.py", "--runs", _runs_json(tmp / "python", RUNS)],
-        "gpu_check": [sys.executable, "-m", "tools.gpu_check", "--cpu", "--report-dir", str(tmp / "gpu_check")],
         # the GPU pass rehearsed on this CPU (its streams run in copies of the tree, removed after
-        # it: its gpu_check parts' run folders are not kept, so the test above reads gpu_check's)
-        "rehearse": [sys.executable, "-m", "tools.gpu_pass", "--rehearse", "--report-dir", str(tmp / "rehearse")],
+        # it: --keep-runs copies its gpu_check launches' run folders out first)
+        "rehearse": [sys.executable, "-m", "tools.gpu_pass", "--rehearse", "--report-dir", str(tmp / "rehearse"),
+                     "--keep-runs", str(tmp / "kept")],
     }
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, c in cmds.items()}
@@ -111,10 +111,11 @@ def test_every_step3_script_trains_what_step1_trains_under_plain_python(launches
 
 
 def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_step1(launches):
-    code, log, _ = launches["gpu_check"]
+    """gpu_check --cpu, as the rehearsed GPU pass launches it (its parts' reports joined, each
+    part's log saying all of its runs ran: the rehearsal's test below)."""
+    code, log, report_dir = launches["rehearse"]
     assert code == 0, log[-3000:]
     from tools.gpu_check import CHECKS
-    report_dir = launches["gpu_check"][2].parent / "gpu_check"
     report = json.loads((report_dir / "gpu_check_cpu.json").read_text())
     expected = [c.name for c in CHECKS if c.toy]
     assert [r["name"] for r in report["runs"]] == expected and len(expected) >= 14
@@ -122,8 +123,7 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     assert {r["ranks"] for r in report["runs"]} == {1}
     md = (report_dir / "gpu_check_cpu.md").read_text()
     assert md.count("| yes |") == len(expected)  # one row per run
-    assert f"{len(expected)} of {len(expected)} runs ran" in log
-    runs = ROOT / "runs" / "gpu_check_cpu"
+    runs = report_dir.parent / "kept" / "gpu_check_cpu"
     for name in GPU_CHECK_STEP3:  # torchrun --nproc-per-node 1, the toy model of 01_baseline
         _same_losses(runs, name, "01_baseline", 3, "gpu_check --cpu, under torchrun")
     # every step-3 script, also as rank 0 of 4 alone, every collective's tensors on the run's device
@@ -310,7 +310,7 @@ def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_ch
                                                gpu_pass.Command(["-c", "print('never')"], 2)])]
     monkeypatch.setattr(gpu_pass, "streams", lambda rehearse=False, big=False: table)
     out = tmp_path / "out"
-    args = argparse.Namespace(budget=60, report_dir=str(out), argv=["--report-dir", "OUT"])
+    args = argparse.Namespace(budget=60, report_dir=str(out), argv=["--report-dir", "OUT"], keep_runs=None)
     assert gpu_pass.run_pass(args, rehearse=False) == 1  # not everything ran
     assert sorted(p.name for p in out.iterdir()) == ["figs.tar.gz", "gpu_check_h100.json", "gpu_check_h100.md",
                                                      "gpu_pass.json", "gpu_pass.md"]

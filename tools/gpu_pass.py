@@ -507,6 +507,10 @@ def _run_pass(args, rehearse: bool, info: dict, table: list[Stream], out: Path, 
         {"phase": 2, "what": "the memory streams, side by side", "until_s": round(budget - RESERVE_S),
          "seconds": round(time.monotonic() - t2, 1), "streams": [results[s.name] for s in phase2]}]
 
+    if args.keep_runs:  # (each gpu_check launch has runs of its own: their folders do not collide)
+        for name in CHECK_STREAMS:
+            for runs in sorted((trees[name] / "runs").glob("gpu_check_*")) if name in trees else []:
+                shutil.copytree(runs, Path(args.keep_runs) / runs.name, dirs_exist_ok=True)
     # gpu_check's part reports, joined into one beside this report
     parts = sorted(p for name in CHECK_STREAMS if name in trees
                    for p in (trees[name] / PARTS).glob("*/gpu_check_*.json"))
@@ -715,6 +719,9 @@ def main(argv=None) -> int:
                         f"{TIMINGS_SHARE:.0%} of it)")
     p.add_argument("--report-dir", help=f"an empty or new folder for the report's files (at most {MAX_FILES})")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="join passes' report folders into figs/ (no GPU needed)")
+    p.add_argument("--keep-runs", metavar="DIR", help="copy gpu_check's run folders (metrics, summaries, traces) out of "
+                   "the streams' copies of the tree into DIR before they are removed (they are not among the files a "
+                   "lent machine sends back)")
     args = p.parse_args(argv)
     args.argv = argv
     if not 60 <= args.budget <= 3600:  # (nan fails this too)
