@@ -549,14 +549,13 @@ def test_ctrl_c_stops_every_rank_within_seconds_at_one_step_with_one_line(tmp_pa
 
 
 def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path):
-    """Two Ctrl-Cs 0.15 s apart, just after a step ended, each step of the small model taking
-    several times longer than that (about 1.5 s on a 2-core CI machine): the
+    """Two Ctrl-Cs 0.15 s apart, just after a step ended, each step taking several times
+    longer than that (every forward sleeps 1.5 s first: tests/drivers/slow_steps.py): the
     first asks the ranks to stop at the next agreed step; torchrun answers the second with
     SIGTERM to every rank, which a rank that had the first Ctrl-C takes as the second: it
     ends there, mid-step, without the save a SIGTERM alone asks for. Rank 0 says so."""
-    flags = ["--device", "cpu", "--model", "small", "--steps", "100000", "--seq-len", "256", "--global-batch-size",
-             "64", "--eval-batches", "0", "--no-trace-memory"]
-    took, output, out = _ctrl_c(tmp_path, "step3_multi_gpu/train_ddp.py", 2, flags, after_steps=1, presses=[0, 0.15])
+    took, output, out = _ctrl_c(tmp_path, "tests/drivers/slow_steps.py", 2,
+                                ["1.5", "step3_multi_gpu/train_ddp.py", *CTRL_C_FLAGS], after_steps=1, presses=[0, 0.15])
     assert took is not None and took < 10, f"ranks still there {took} s after the second Ctrl-C\n{output[-4000:]}"
     assert "second Ctrl-C: stopping at once, mid-step" in output, output[-4000:]
     assert "every rank stopped after step" not in output and not (out / "checkpoints").exists()
