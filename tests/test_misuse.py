@@ -24,13 +24,12 @@ LIMIT_S = 30  # per in-process case; the slowest (a checkpoint written, then ref
 
 @pytest.fixture(scope="module")
 def torchrun_job(tmp_path_factory):
-    """The two-rank cases, each in a torchrun job, started now and collected by the tests at the end."""
+    """The two-rank cases in one torchrun job, started now and collected by the tests at the end."""
     folder = tmp_path_factory.mktemp("misuse_torchrun")
     out = folder / "results.json"
     # into a file, not a pipe: nobody reads a pipe while the in-process cases run, and a
     # full one would stall the job
     with open(folder / "log.txt", "w") as log:
-        # one torchrun job per case, one after another (tools/misuse.py:two_rank_jobs says why)
         proc = subprocess.Popen([sys.executable, "tools/misuse.py", "--two-rank-jobs", ",".join(TWO), "--json",
                                  str(out)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     yield proc, out
