@@ -6,7 +6,8 @@ of real, structured text on any machine that can run this tutorial. Real data at
 tokenized once by ``python -m tools.prepare_data`` into a folder that ``--data`` also takes:
 then the token streams are memory-mapped shards (common/prepared.py), read window by window.
 
-The loader is a ``DistributedSampler`` plus a ``DataLoader``. With ``drop_last`` and a
+The loader is a ``DistributedSampler`` (``WindowOrder``: its order, resumable in place) plus
+a ``DataLoader``. With ``drop_last`` and a
 per-rank batch of ``global_batch / dp_size``, global batch k is the set
 ``perm[k*B:(k+1)*B]`` of one seeded permutation whatever the number of data-parallel
 ranks (rank r takes every dp_size-th index of it). That is what lets the tests compare a
@@ -153,6 +154,35 @@ def pins_for(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+class WindowOrder(DistributedSampler):
+    """PyTorch's ``DistributedSampler`` order, read from any position and kept as a tensor.
+
+    The same windows in the same order as its parent (tests/test_data.py holds them equal),
+    with two changes for a corpus of billions of tokens: the epoch's permutation stays a
+    tensor (8 bytes a window; the parent makes a Python list of every index, about 36 bytes
+    each, then a second one of this rank's), and ``start`` skips this rank's first windows
+    without reading them (a resumed run begins at its batch at once, instead of loading every
+    batch it already trained on).
+    """
+
+    start = 0  # this rank's windows to skip in this epoch
+
+    def __iter__(self):
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g)
+        else:
+            order = torch.arange(n)
+        mine = order[:self.total_size][self.rank::self.num_replicas][self.start:]  # (drop_last: Batches sets it)
+        for k in range(0, len(mine), 4096):  # a few thousand Python ints at a time
+            yield from mine[k:k + 4096].tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 class Batches:
     """An endless iterator over (inputs, targets) batches of this rank's share.
 
@@ -175,8 +205,8 @@ class Batches:
             raise UserError(f"the data holds {len(self.dataset)} sequences of {seq_len + 1} tokens, fewer than "
                             f"one global batch of {global_batch_size}; use more text, a shorter --seq-len "
                             f"or a smaller --global-batch-size.")
-        self.sampler = DistributedSampler(self.dataset, num_replicas=dp_size, rank=dp_rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.sampler = WindowOrder(self.dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
+                                   drop_last=True)
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // dp_size,
                                  sampler=self.sampler, drop_last=True)
         self.epoch, self.position = 0, 0
@@ -195,10 +225,8 @@ class Batches:
         asked = time.perf_counter()
         while True:
             self.sampler.set_epoch(self.epoch)
-            batches = iter(self.loader)
-            for _ in range(self.position):  # resuming: skip what was already trained on
-                next(batches)
-            for batch in batches:
+            self.sampler.start = self.position * self.loader.batch_size  # resuming: skip, unread, what was trained on
+            for batch in self.loader:
                 self.position += 1
                 if self.pin_memory:  # (rebound: the unpinned batch is not kept alive beside the pinned one)
                     batch = [t.pin_memory() for t in batch]

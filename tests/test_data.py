@@ -197,3 +197,58 @@ def test_the_loop_s_wait_for_batches_is_measured_per_step(monkeypatch, tmp_path,
     assert summary["data_wait_share"] == pytest.approx(summary["data_wait_s"] / summary["step_time_s"])
     assert 0 < summary["data_wait_share"] < 1
     assert f"({summary['data_wait_share']:.2%} of the step time)" in capsys.readouterr().out
+
+
+def test_the_window_order_is_pytorch_s_distributed_sampler_s():
+    """WindowOrder yields exactly DistributedSampler's windows (drop_last) for any length,
+    world size, rank, seed and epoch, shuffled or not, and from ``start`` on the same tail."""
+    from torch.utils.data import DistributedSampler
+
+    from common.data import WindowOrder
+    for n, world, seed, shuffle in ((24, 1, 0, True), (25, 3, 1, True), (10_007, 4, 5, True), (9, 2, 0, False),
+                                    (9_000, 3, 2, True)):
+        data = range(n)
+        for rank in range(world):
+            ours = WindowOrder(data, num_replicas=world, rank=rank, seed=seed, shuffle=shuffle, drop_last=True)
+            theirs = DistributedSampler(data, num_replicas=world, rank=rank, seed=seed, shuffle=shuffle, drop_last=True)
+            for epoch in (0, 3):
+                ours.set_epoch(epoch)
+                theirs.set_epoch(epoch)
+                expected = list(theirs)
+                ours.start = 0
+                assert list(ours) == expected and len(ours) == len(theirs), (n, world, rank, epoch)
+                ours.start = len(expected) // 3
+                assert list(ours) == expected[len(expected) // 3:] and len(ours) == len(expected) - ours.start
+
+
+def test_a_resumed_loader_reads_only_the_batches_after_its_position(monkeypatch):
+    """Resuming at global batch 50 of an epoch gives batch 50 (the one an uninterrupted run
+    reads next) and reads its windows only: none of the 50 batches already trained on."""
+    tokens = torch.randint(0, 256, (1000 * 16 + 1,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    straight = iter(Batches(tokens, 16, 8, seed=3))
+    expected = [next(straight) for _ in range(52)][50:]
+    read = []
+    window = TokenWindows.__getitem__
+    monkeypatch.setattr(TokenWindows, "__getitem__", lambda self, i: read.append(i) or window(self, i))
+    resumed = Batches(tokens, 16, 8, seed=3)
+    resumed.load_state_dict({"epoch": 0, "position": 50})
+    it = iter(resumed)
+    for x, y in expected:
+        got = next(it)
+        assert torch.equal(got[0], x) and torch.equal(got[1], y)
+    assert len(read) == 2 * 8 and resumed.state_dict() == {"epoch": 0, "position": 52}
+
+
+def test_an_epoch_s_order_costs_no_python_list_of_the_corpus():
+    """A corpus of 2 million windows: the first batch allocates under 1 MB of Python objects
+    (DistributedSampler's list of every index would take about 70 MB; the order is a tensor)."""
+    import tracemalloc
+    tokens = torch.zeros(2_000_000 * 4 + 1, dtype=torch.uint8)
+    data = Batches(tokens, 4, 8, seed=0)
+    tracemalloc.start()
+    try:
+        next(iter(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
