@@ -143,6 +143,12 @@ class TokenWindows(Dataset):
         w = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
         return w[:-1], w[1:]
 
+    def will_need(self, windows: list[int]) -> None:
+        """Have these windows read from the disk in the background (shards on disk only)."""
+        if hasattr(self.tokens, "will_need"):
+            for i in windows:
+                self.tokens.will_need(i * self.seq_len, (i + 1) * self.seq_len + 1)
+
 
 def pins_for(device: torch.device | str) -> bool:
     """Whether a run on ``device`` stages its batches in pinned (page-locked) memory: a CUDA
@@ -166,6 +172,7 @@ class WindowOrder(DistributedSampler):
     """
 
     start = 0  # this rank's windows to skip in this epoch
+    ahead = 0  # windows a batch: when a batch's are handed out, the next batch's are read ahead
 
     def __iter__(self):
         n = len(self.dataset)
@@ -176,8 +183,14 @@ class WindowOrder(DistributedSampler):
         else:
             order = torch.arange(n)
         mine = order[:self.total_size][self.rank::self.num_replicas][self.start:]  # (drop_last: Batches sets it)
-        for k in range(0, len(mine), 4096):  # a few thousand Python ints at a time
-            yield from mine[k:k + 4096].tolist()
+        b = self.ahead
+        if not b:
+            for k in range(0, len(mine), 4096):  # a few thousand Python ints at a time
+                yield from mine[k:k + 4096].tolist()
+            return
+        for k in range(0, len(mine), b):  # a batch at a time, the next one's windows asked for first
+            self.dataset.will_need(mine[k + b:k + 2 * b].tolist())
+            yield from mine[k:k + b].tolist()
 
     def __len__(self) -> int:
         return self.num_samples - self.start
@@ -207,6 +220,7 @@ class Batches:
                             f"or a smaller --global-batch-size.")
         self.sampler = WindowOrder(self.dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
                                    drop_last=True)
+        self.sampler.ahead = global_batch_size // dp_size
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // dp_size,
                                  sampler=self.sampler, drop_last=True)
         self.epoch, self.position = 0, 0

@@ -10,7 +10,7 @@ always sees where one ends and the next begins; ``<split>_offsets.npy`` holds wh
 document starts in its split's token stream, then the stream's length.
 
 Training never loads the tokens into memory: each split is a ``TokenStream`` over its
-shards, memory-mapped with numpy, and a rank reads only the windows its sampler gives it,
+shards, memory-mapped (``mmap``, read through numpy), and a rank reads only the windows its sampler gives it,
 so the process's own memory does not grow with the corpus (the pages it reads are the
 operating system's file cache, mapped in and dropped again as memory is needed). A shard edited or replaced since it was prepared
 is refused when opened (its size and header against meta.json: cheap at every start); its
@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -87,13 +88,31 @@ def read_header(path: Path) -> dict:
 
 class TokenStream:
     """One split's shards end to end, memory-mapped: ``len()`` and slices, as a tensor of
-    token ids would offer them to ``data.TokenWindows`` (a window may span two shards)."""
+    token ids would offer them to ``data.TokenWindows`` (a window may span two shards).
 
-    def __init__(self, shards: list[np.ndarray]):
-        self.shards = shards
+    ``will_need`` asks the operating system to start reading token ranges from the disk now
+    (``madvise(MADV_WILLNEED)``: it returns at once, the kernel reads in the background), so
+    that a batch's windows are in memory when the loop asks for them: the loader names the
+    next batch's windows as it hands out this one (data.WindowOrder).
+    """
+
+    def __init__(self, shards: list[np.ndarray], maps: list | None = None):
+        self.shards, self.maps = shards, maps or [None] * len(shards)  # each shard's mmap.mmap, or None
         self.starts = [0]
         for s in shards:
             self.starts.append(self.starts[-1] + len(s))
+
+    def will_need(self, start: int, stop: int) -> None:
+        """Read tokens [start, stop) ahead, where this OS can (Linux and macOS; elsewhere nothing)."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < stop and i < len(self.shards):
+            end = min(stop, self.starts[i + 1])
+            m, size = self.maps[i], self.shards[i].itemsize
+            if m is not None and hasattr(m, "madvise"):
+                first = HEADER_BYTES + (start - self.starts[i]) * size
+                aligned = first - first % mmap.PAGESIZE  # (madvise takes whole pages)
+                m.madvise(mmap.MADV_WILLNEED, aligned, HEADER_BYTES + (end - self.starts[i]) * size - aligned)
+            start, i = end, i + 1
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -146,7 +165,7 @@ def identity(folder: Path) -> str:
 
 
 def open_split(folder: Path, meta: dict, split: str) -> TokenStream:
-    shards = []
+    shards, maps = [], []
     for entry in meta["splits"].get(split, {}).get("shards", []):
         path = folder / entry["file"]
         header = read_header(path)
@@ -155,9 +174,15 @@ def open_split(folder: Path, meta: dict, split: str) -> TokenStream:
                 or header["itemsize"] != DTYPES_BY_NAME[meta["dtype"]].itemsize):
             raise UserError(f"--data: shard {path} has changed since it was prepared (its size or header is not "
                             f"what {META} records); prepare the folder again (python -m tools.prepare_data).")
-        shards.append(np.memmap(path, dtype=DTYPES[header["itemsize"]], mode="r", offset=HEADER_BYTES,
-                                shape=(header["tokens"],)) if header["tokens"] else np.zeros(0, np.uint16))
-    return TokenStream(shards)
+        if not header["tokens"]:
+            shards.append(np.zeros(0, np.uint16))
+            maps.append(None)
+            continue
+        with open(path, "rb") as f:  # (the map outlives the file object)
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        shards.append(np.frombuffer(m, dtype=DTYPES[header["itemsize"]], count=header["tokens"], offset=HEADER_BYTES))
+        maps.append(m)
+    return TokenStream(shards, maps)
 
 
 def open_splits(spec: str, vocab_size: int) -> tuple[TokenStream, TokenStream, list[str], list[str]]:

@@ -1,7 +1,8 @@
 """Chapter 2's figures and tables, made by ``python -m tools.figures --only 02``: each
 memory saver's trace beside the baseline's, the peaks by category and the table (block
 ``table-02`` of README.md here), and float8 beside bf16 (``--only 02_float8``, block
-``table-02-float8``).
+``table-02-float8``), the logits at a real vocabulary (``--only 02_vocab``) and what a corpus
+of a billion tokens costs the loader (``--only 02_bench_data``, README.md's block ``bench-data``).
 
 tools/figures.py gathers CHAPTER2 and FLOAT8 into its runs and POST_STEPS into its tables.
 """
@@ -11,7 +12,7 @@ import json
 
 from common import ROOT
 from common.measure.memory import fmt_bytes
-from tools.figure_runs import Run, run_dir, summary, this_device
+from tools.figure_runs import Run, run_dir, summary, this_device, tool_block
 
 # ---- chapter 2: memory savers on one device -------------------------------------------
 # The baseline's model, batch and sequence length, so that every row of the table differs
@@ -155,5 +156,13 @@ def float8_table(suffix: str = "") -> dict[str, str]:
     return {"table-02-float8" + suffix: head + "\n\n" + "\n".join(rows)}
 
 
+def bench_data_block(suffix: str = "") -> dict[str, str]:
+    """README.md's block bench-data: what python -m tools.bench_data prints (a run's resident
+    memory and data wait on corpora of 10 million to a billion tokens, on this machine)."""
+    argv = ["--device", "cuda" if suffix else "cpu", "--out", str(run_dir("02_bench_data", suffix).relative_to(ROOT))]
+    return tool_block("bench-data" + suffix, "tools.bench_data", argv, timeout_s=3600)
+
+
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown})
-POST_STEPS = [("02", chapter2), ("02_float8", float8_table), ("02_vocab", vocab_table)]
+POST_STEPS = [("02", chapter2), ("02_float8", float8_table), ("02_vocab", vocab_table),
+              ("02_bench_data", bench_data_block)]

@@ -15,7 +15,7 @@ import sys
 from common import ROOT
 from common.errors import UserError
 from step4_multi_node.tables import write_faults_table
-from tools.figure_runs import DP4, Run, run_dir
+from tools.figure_runs import DP4, Run, run_dir, tool_block
 from tools.misuse import table as misuse_table
 
 # ---- chapter 5: surviving faults (README: survive faults); the table reads the checkpoints
@@ -46,11 +46,7 @@ def bench_ckpt_block(suffix: str = "") -> dict[str, str]:
     """step4_multi_node/README.md's block bench-ckpt: what python -m tools.bench_ckpt prints
     (a checkpoint step's stall, synchronous vs --ckpt-async, on this machine)."""
     argv = ["--device", "cuda" if suffix else "cpu", "--out", str(run_dir("05_bench_ckpt", suffix).relative_to(ROOT))]
-    p = subprocess.run([sys.executable, "-m", "tools.bench_ckpt", *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
-    if p.returncode:
-        raise UserError(f"python -m tools.bench_ckpt failed: {p.stderr.strip()[-300:]}")
-    return {"bench-ckpt" + suffix: f"```bash\npython -m tools.bench_ckpt {' '.join(argv)}\n```\n\n```\n{p.stdout.strip()}\n```"}
+    return tool_block("bench-ckpt" + suffix, "tools.bench_ckpt", argv)
 
 
 def resume_generation(suffix: str = "") -> dict[str, str]:

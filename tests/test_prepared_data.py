@@ -4,8 +4,9 @@ on the memory-mapped shards (tools/prepare_data.py, common/prepared.py).
 A tiny corpus written here (a dozen files of the standard library's source, a file of
 non-ASCII text, a .jsonl file), a BPE of 300 tokens, shards of 4,000 tokens so that a
 window spans two of them. Prepare runs in this process (a second or two); the training
-runs are three launches: DDP on 2 ranks with checkpoints beside the same script as one
-process, then a 1-process run resumed from the 2-rank checkpoint. tools.generate and
+runs are DDP on 2 ranks with checkpoints beside the same script as one process and every
+other step-3 layout on 2 ranks (two torchrun jobs of tools/multirun.py), then a 1-process run
+resumed from the 2-rank checkpoint. tools.generate and
 tools.export_hf then speak the tokenizer of the 1-process run's data.
 """
 from __future__ import annotations
@@ -170,6 +171,42 @@ def test_every_world_size_sees_the_same_global_batches_from_the_shards(bpe):
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < VOCAB
 
 
+def test_the_loader_asks_the_disk_for_the_next_batch_while_this_one_trains(bpe):
+    """Each batch handed out first names the next batch's windows to the OS (madvise
+    WILLNEED on page-aligned ranges of the shards' maps), so a cold disk reads them while the
+    step computes; at a world size of 2, each rank only its own. Recorded here on stand-ins
+    of the maps, with the shards' real offsets."""
+    import mmap
+    calls = []
+
+    class Map:  # records what would be asked of the kernel
+        def __init__(self, shard):
+            self.shard = shard
+
+        def madvise(self, option, start, length):
+            calls.append((self.shard, option, start, length))
+
+    for world in (1, 2):
+        train = load_corpus(str(bpe), vocab_size=VOCAB).train
+        train.maps = [Map(i) for i in range(len(train.shards))]
+        data = Batches(train, 32, 8, dp_rank=world - 1, dp_size=world, seed=3)
+        order = list(data.sampler)  # this rank's windows, in order
+        per = 8 // world
+        it = iter(data)
+        for k in range(2):
+            calls.clear()
+            next(it)
+            asked = set()
+            for shard, option, start, length in calls:
+                assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0
+                lo = train.starts[shard] + (start - prepared.HEADER_BYTES) // 2  # uint16 tokens
+                hi = train.starts[shard] + (start + length - prepared.HEADER_BYTES) // 2
+                asked |= set(range(max(lo, 0), hi))
+            for w in order[(k + 1) * per:(k + 2) * per]:  # the next batch's windows, every token of them
+                assert set(range(w * 32, (w + 1) * 32 + 1)) <= asked, (world, k, w)
+            assert len(calls) <= 2 * per  # (a window across two shards: two calls)
+
+
 def _parse(data, out, *flags):
     """Step 3's flags as train_ddp.py parses them, in this process."""
     p = cli.parser(None)
@@ -196,6 +233,16 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
+# Every other step-3 layout on 2 ranks, on the same data as the 1-process run ("one"). Two
+# launches: runs of one job must not build an equal sub-mesh in another order (tools/multirun.py).
+LAYOUTS = {"fsdp": ("train_fsdp",), "tp": ("train_tp", "--sequence-parallel"),
+           "pp": ("train_pp", "--schedule", "1f1b", "--microbatches", "2"), "cp": ("train_cp",),
+           "ep": ("train_ep", "--model", "debug-moe"),
+           "2d": ("train_2d", "--tp", "2"), "3d": ("train_3d", "--pp", "2", "--dp", "1", "--tp", "1",
+                                                   "--schedule", "gpipe", "--microbatches", "2")}
+LAYOUT_JOBS = [("fsdp", "tp", "pp", "cp", "ep"), ("2d", "3d")]
+
+
 @pytest.fixture(scope="module")
 def runs(bpe):
     tmp = bpe.parent / "runs"
@@ -204,9 +251,20 @@ def runs(bpe):
     launch = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             DDP, *FLAGS, "--data", str(data), "--ckpt-every", "2", "--out", str(tmp / "two")], **launch)
-    one = subprocess.Popen([sys.executable, DDP, *FLAGS, "--data", str(bpe), "--save-weights",
-                            "--out", str(tmp / "one")], **launch)
-    for p in (two, one):
+    # one process: DDP at world size 1, and the mixture of experts' reference for EP
+    one = subprocess.Popen([sys.executable, "tools/multirun.py", "--runs", json.dumps([
+        {"name": "one", "script": "step3_multi_gpu/train_ddp.py", "argv": [*FLAGS, "--data", str(bpe), "--save-weights",
+                                                                           "--out", str(tmp / "one")]},
+        {"name": "ep_one", "script": "step3_multi_gpu/train_ep.py", "argv": [*FLAGS, "--model", "debug-moe", "--data",
+                                                                             str(bpe), "--out", str(tmp / "ep_one")]}])],
+        **launch)
+    layouts = {n: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                    "2", "tools/multirun.py", "--runs", json.dumps(
+                                        [{"name": name, "script": f"step3_multi_gpu/{script}.py", "argv": [
+                                            *FLAGS, *flags, "--data", str(bpe), "--out", str(tmp / name)]}
+                                         for name, (script, *flags) in LAYOUTS.items() if name in job])], **launch)
+               for n, job in enumerate(LAYOUT_JOBS)}
+    for p in (two, one, *layouts.values()):
         out, err = p.communicate(timeout=TIMEOUT_S)
         assert p.returncode == 0, err[-3000:]
     (tmp / "resumed" / "checkpoints").mkdir(parents=True)
@@ -226,6 +284,19 @@ def test_two_ranks_on_prepared_data_match_one_process(runs):
     summaries = [json.loads((runs / r / "summary.json").read_text()) for r in ("two", "one")]
     assert summaries[0]["world_size"] == 2 and summaries[0]["model_config"]["vocab_size"] == VOCAB
     assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_step3_layout_trains_on_prepared_data_as_one_process_does(runs, layout):
+    """FSDP, TP with SP, a 1F1B pipeline, CP, 2-D and 3-D on 2 ranks give the 1-process run's
+    losses and held-out loss on the BPE's shards (300 tokens: the output layer split in two
+    under TP); EP on 2 ranks gives the mixture of experts' losses of EP in one process."""
+    ref = "ep_one" if layout == "ep" else "one"
+    got, want = _losses(runs / layout), _losses(runs / ref)
+    assert list(got) == [0, 1, 2, 3] and got == pytest.approx(want, rel=1e-5), (layout, got, want)
+    summary, reference = (json.loads((runs / r / "summary.json").read_text()) for r in (layout, ref))
+    assert summary["world_size"] == 2 and summary["model_config"]["vocab_size"] == VOCAB
+    assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_at_the_uninterrupted_loss(runs):
@@ -424,3 +495,36 @@ def test_the_estimator_and_the_planner_take_the_vocabulary_of_prepared_data(bpe,
         with pytest.raises(SystemExit):
             tool.main([*argv, "--data", str(bpe), "--vocab-size", str(VOCAB + 1)])
         assert f"--vocab-size {VOCAB + 1} disagrees with --data {bpe}" in capsys.readouterr().err
+
+
+# ---- what the corpus's size costs: python -m tools.bench_data ------------------------------
+def test_the_data_benchmark_prints_each_runs_memory_and_wait(tmp_path):
+    """tools.bench_data at toy sizes: a row per corpus, its numbers the training run's own
+    (summary.json's data wait, step time and their share; the shards meta.json lists), the
+    shards dropped from the file cache first, and the closing line's ratio that of the rows."""
+    import re
+    r = subprocess.run([sys.executable, "-m", "tools.bench_data", "--tokens", "2e5,1e6", "--model", "debug", "--steps",
+                        "4", "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert "the shards dropped from the file cache before each run" in lines[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if re.match(r"\| [\d,]+ \|", line)]
+    assert len(rows) == 2
+    from common.measure.memory import fmt_bytes
+    kept = json.loads((tmp_path / "bench_data.json").read_text())
+    for n, row, k in zip((200_000, 1_000_000), rows, kept, strict=True):
+        meta = json.loads((tmp_path / f"data_{n}" / "meta.json").read_text())
+        s = json.loads((tmp_path / f"run_{n}" / "summary.json").read_text())
+        assert s["data"] == str(tmp_path / f"data_{n}") and s["steps"] == 4
+        assert row[0] == f"{meta['splits']['train']['tokens']:,}" and meta["splits"]["train"]["tokens"] >= n * 0.9
+        assert row[1] == fmt_bytes(sum(sh["bytes"] for sp in meta["splits"].values() for sh in sp["shards"]))
+        assert row[2] == fmt_bytes(k["peak_rss_bytes"]) and k["peak_rss_bytes"] > 50 * 2**20  # (torch alone is more)
+        assert row[3:] == [f"{s['data_wait_s'] * 1e3:.2f} ms", f"{s['step_time_s'] * 1e3:,.0f} ms",
+                           f"{s['data_wait_share']:.2%}"]
+    rss = [k["peak_rss_bytes"] for k in kept]
+    assert f"the peak resident memory changed {max(rss) / min(rss):.2f}x" in lines[-1]
+    bad = subprocess.run([sys.executable, "-m", "tools.bench_data", "--tokens", "1e7,5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --tokens 5: give whole token counts of 100000 or more, comma-separated (1e7,1e9)."]

@@ -50,3 +50,17 @@ def this_device(device: str) -> str:
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
              if line.startswith("model name")]
     return f"CPU ({names[0] if names else platform.processor()}, {len(names) or '?'} cores), no GPU"
+
+
+def tool_block(marker: str, module: str, argv: list[str], timeout_s: float = 900) -> dict[str, str]:
+    """A page's block of what ``python -m MODULE ARGV`` printed on this machine: the command,
+    then its output ({marker: markdown}, for tools/figures.py's update_readme)."""
+    import subprocess
+    import sys
+
+    from common.errors import UserError
+    p = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout_s)
+    if p.returncode:
+        raise UserError(f"python -m {module} failed: {p.stderr.strip()[-300:]}")
+    return {marker: f"```bash\npython -m {module} {' '.join(argv)}\n```\n\n```\n{p.stdout.strip()}\n```"}
