@@ -184,13 +184,15 @@ class WindowOrder(DistributedSampler):
             order = torch.arange(n)
         mine = order[:self.total_size][self.rank::self.num_replicas][self.start:]  # (drop_last: Batches sets it)
         b = self.ahead
-        if not b:
-            for k in range(0, len(mine), 4096):  # a few thousand Python ints at a time
-                yield from mine[k:k + 4096].tolist()
-            return
-        for k in range(0, len(mine), b):  # a batch at a time, the next one's windows asked for first
-            self.dataset.will_need(mine[k + b:k + 2 * b].tolist())
-            yield from mine[k:k + b].tolist()
+        chunk = max(b, 4096 // b * b) if b else 4096  # a few thousand Python ints at a time, whole batches
+        for k in range(0, len(mine), chunk):
+            ids = mine[k:k + chunk + b].tolist()  # (and the batch after the chunk, to read it ahead)
+            if not b:
+                yield from ids
+                continue
+            for j in range(0, min(chunk, len(ids)), b):  # a batch at a time, the next one's windows asked for first
+                self.dataset.will_need(ids[j + b:j + 2 * b])
+                yield from ids[j:j + b]
 
     def __len__(self) -> int:
         return self.num_samples - self.start

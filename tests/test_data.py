@@ -219,6 +219,12 @@ def test_the_window_order_is_pytorch_s_distributed_sampler_s():
                 assert list(ours) == expected and len(ours) == len(theirs), (n, world, rank, epoch)
                 ours.start = len(expected) // 3
                 assert list(ours) == expected[len(expected) // 3:] and len(ours) == len(expected) - ours.start
+    # Batches reads a batch ahead: the same order in whole batches, across its chunks of ~4096
+    tokens = torch.zeros(10_007 * 2 + 1, dtype=torch.uint8)
+    for world, batch in ((1, 3), (2, 8), (4, 12)):
+        data = Batches(tokens, 2, batch, dp_rank=world - 1, dp_size=world, seed=7)
+        theirs = DistributedSampler(range(10_007), num_replicas=world, rank=world - 1, seed=7, drop_last=True)
+        assert data.sampler.ahead == batch // world and list(data.sampler) == list(theirs), (world, batch)
 
 
 def test_a_resumed_loader_reads_only_the_batches_after_its_position(monkeypatch):

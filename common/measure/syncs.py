@@ -72,8 +72,10 @@ class _ScalarReads(TorchDispatchMode):
 
 # Reads that stay on the host in a CUDA run too: AdamW keeps its step counts in CPU tensors
 # (unless fused or capturable) precisely so that reading them never waits for the GPU, and
-# the data loader's sampler draws its seeds on the CPU.
-_HOST_SIDE = (f"{os.sep}torch{os.sep}optim{os.sep}", f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}")
+# the data loader's sampler draws its seeds and its order on the CPU (PyTorch's, and ours in
+# common/data.py, whose tensors are all the host's: a batch goes to the device in the script).
+_HOST_SIDE = (f"{os.sep}torch{os.sep}optim{os.sep}", f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}",
+              f"{os.sep}common{os.sep}data.py")
 
 
 _PLUMBING = (f"utils{os.sep}_python_dispatch", "_compile.py", f"_dynamo{os.sep}")  # wrappers, not askers
