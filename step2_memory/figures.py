@@ -2,7 +2,8 @@
 memory saver's trace beside the baseline's, the peaks by category and the table (block
 ``table-02`` of README.md here), and float8 beside bf16 (``--only 02_float8``, block
 ``table-02-float8``), the logits at a real vocabulary (``--only 02_vocab``) and what a corpus
-of a billion tokens costs the loader (``--only 02_bench_data``, README.md's block ``bench-data``).
+of a billion tokens costs the loader (``--only 02_bench_data``, README.md's block ``bench-data``)
+and what ``--doc-mask`` changes (``--only 02_doc_mask``, block ``doc-mask``).
 
 tools/figures.py gathers CHAPTER2 and FLOAT8 into its runs and POST_STEPS into its tables.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 
 from common import ROOT
+from common.errors import UserError
 from common.measure.memory import fmt_bytes
 from tools.figure_runs import Run, run_dir, summary, this_device, tool_block
 
@@ -163,6 +165,56 @@ def bench_data_block(suffix: str = "") -> dict[str, str]:
     return tool_block("bench-data" + suffix, "tools.bench_data", argv, timeout_s=3600)
 
 
+# ---- --doc-mask, measured: the same runs with and without it -------------------------------
+# The standard library's files as documents (bytes, an end-of-text token between two), the small
+# model at 1,024 tokens a sequence, in one process (tools.multirun.run_script), one after the other.
+_DOC_MASK = ["--model", "small", "--global-batch-size", "8", "--seq-len", "1024", "--steps", "30", "--eval-every", "30",
+             "--eval-batches", "4", "--amp", "off", "--no-trace-memory", "--device", "cpu"]
+
+
+def doc_mask_block(suffix: str = "") -> dict[str, str]:
+    """README.md's block doc-mask: train_ddp.py at one rank on the stdlib prepared as documents,
+    plain causal attention beside --doc-mask: the losses, the step time, and how many windows
+    hold a document boundary (where the mask changes anything)."""
+    if suffix:
+        return {}  # (a CPU measurement: the GPU's fastest causal kernels are the point there, not measured here)
+    import torch
+
+    from common.data import Batches, load_corpus
+    from tools.bench_data import stdlib_texts, write_source
+    from tools.multirun import run_script
+    from tools.prepare_data import main as prepare_data
+    out = run_dir("02_doc_mask")
+    out.mkdir(parents=True, exist_ok=True)
+    texts = stdlib_texts()
+    write_source(out / "stdlib.jsonl", sum(len(t.encode()) for t in texts), texts)  # each file once
+    prepare_data([str(out / "stdlib.jsonl"), "--out", str(out / "data"), "--tokenizer", "bytes"])
+    rows = {}
+    for name, extra in (("causal (default)", []), ("--doc-mask", ["--doc-mask"])):
+        folder = out / ("mask" if extra else "plain")
+        code, err = run_script("step3_multi_gpu/train_ddp.py", [*_DOC_MASK, *extra, "--data", str(out / "data"),
+                                                                 "--out", str(folder)], capture_stderr=True)
+        if code:
+            raise UserError(f"the {name} run failed: {err.strip()[-300:]}")
+        rows[name] = json.loads((folder / "summary.json").read_text())
+    s = rows["causal (default)"]
+    corpus = load_corpus(str(out / "data"), vocab_size=s["model_config"]["vocab_size"])
+    eot = json.loads((out / "data" / "meta.json").read_text())["tokenizer"]["eot_id"]
+    seq = s["seq_len"]
+    batches = iter(Batches(corpus.train, seq, s["global_batch_size"], seed=s["seed"]))  # the runs' own windows
+    x = torch.cat([next(batches)[0] for _ in range(s["steps"])])
+    crossing = float((x[:, 1:] == eot).any(dim=1).float().mean())
+    lines = [f"{s['model']} model ({s['n_params'] / 1e6:.1f}M parameters), {s['global_batch_size']} x {seq} byte tokens a "
+             f"step, {s['steps']} steps, fp32, {s['device_name']}, each run with `{' '.join(_DOC_MASK)}` on the standard "
+             f"library's files prepared as documents (`--tokenizer bytes`); {crossing:.0%} of the windows trained on "
+             f"hold a document boundary after their first token (the mask changes nothing in the others).", "",
+             "| attention | loss at the last step | held-out loss | step (mean) | tokens/s |", "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | {r['step_time_s'] * 1e3:,.0f} ms | "
+                     f"{r['tokens_per_s']:,.0f} |")
+    return {"doc-mask": "\n".join(lines)}
+
+
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown})
 POST_STEPS = [("02", chapter2), ("02_float8", float8_table), ("02_vocab", vocab_table),
-              ("02_bench_data", bench_data_block)]
+              ("02_bench_data", bench_data_block), ("02_doc_mask", doc_mask_block)]

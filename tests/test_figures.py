@@ -254,3 +254,25 @@ def test_the_vocabulary_table_holds_the_logits_and_what_chunks_take_off():
     plain, chunks = rows["plain loss"], rows["--loss-chunks 8"]
     assert plain[:3] == chunks[:3]  # parameters, gradients, optimizer state
     assert parse_bytes(plain[-1]) - parse_bytes(chunks[-1]) >= 4 * tokens * vocab
+
+
+def test_the_doc_mask_block_is_of_the_runs_its_flags_make():
+    """README's doc-mask block (python -m tools.figures --only 02_doc_mask) names the flags
+    the figures command gives its runs now, and has the two rows, plain and masked, whose
+    tokens/s are the step time's (global batch x seq len / step)."""
+    import re
+
+    from step2_memory.figures import _DOC_MASK
+    text = block("doc-mask")[1]
+    assert f"`{' '.join(_DOC_MASK)}`" in text, "stale: run python -m tools.figures --only 02_doc_mask"
+    flags = dict(zip(_DOC_MASK[::2], _DOC_MASK[1::2]))
+    tokens = int(flags["--global-batch-size"]) * int(flags["--seq-len"])
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in text.splitlines()
+            if r.startswith("| ") and not r.startswith("| attention")}
+    assert list(rows) == ["causal (default)", "--doc-mask"]
+    for name, (last, held_out, step, per_s) in rows.items():
+        assert 0 < float(last) < 6 and 0 < float(held_out) < 6, name  # (an untrained byte model starts at ln 256 = 5.5)
+        ms, tok_s = float(step.split()[0].replace(",", "")), float(per_s.replace(",", ""))
+        assert tok_s == pytest.approx(tokens / (ms / 1e3), rel=0.01), name
+    share = re.search(r"(\d+)% of the windows trained on hold a document boundary", text)
+    assert share and 0 < int(share[1]) < 100
