@@ -109,7 +109,7 @@ class Run:
         self.profile = Profile(steps, ctx.device, enabled=args.profile)
         # Reference cycles freed before every step, not whenever Python's collector happens to
         # run: what one step leaves in a cycle (tensors too) never reaches the next step's peak.
-        self.gc = StepCollector(watch=(*self.models, optimizer))
+        self.gc = StepCollector()
 
     def steps(self):
         """The step numbers still to run, with the progress bar (rank 0)."""

@@ -6,9 +6,8 @@ documents gives the logits that running every document alone through the same mo
 (positions from 0), concatenated; the gradients are those of the documents alone, summed.
 Without an end-of-text token in a window the mask is the causal mask. Then the scripts: step 1
 in this process on a tiny prepared corpus (with and without the flag, against the loss this
-file computes), train_2d.py (tensor + sequence parallel inside FSDP), train_ddp.py and train_fsdp.py on
-2 ranks against step 1,
-and the refusals, each its sentence.
+file computes), train_2d.py (tensor + sequence parallel inside FSDP), train_ddp.py, train_fsdp.py and
+train_ep.py (a mixture of experts) on 2 ranks against step 1, and the refusals, each its sentence.
 """
 from __future__ import annotations
 
@@ -149,13 +148,15 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory):
     """One torchrun job of 2 ranks with --doc-mask (tools/multirun.py: one script after
-    another): train_2d.py (TP 2 with sequence parallelism, inside FSDP), train_ddp.py and
-    train_fsdp.py, fp32; started first so that it runs while this process does the rest."""
+    another): train_2d.py (TP 2 with sequence parallelism, inside FSDP), train_ddp.py,
+    train_fsdp.py and train_ep.py (a mixture of experts over 2 ranks), fp32; started first so
+    that it runs while this process does the rest."""
     out = tmp_path_factory.mktemp("two_ranks")
     flags = [*TINY, "--data", str(data), "--doc-mask", "--amp", "off"]
     runs = [{"name": "2d", "script": "step3_multi_gpu/train_2d.py", "argv": [*flags, "--sequence-parallel"]},
             {"name": "ddp", "script": "step3_multi_gpu/train_ddp.py", "argv": list(flags)},
-            {"name": "fsdp", "script": "step3_multi_gpu/train_fsdp.py", "argv": list(flags)}]
+            {"name": "fsdp", "script": "step3_multi_gpu/train_fsdp.py", "argv": list(flags)},
+            {"name": "ep", "script": "step3_multi_gpu/train_ep.py", "argv": [*flags, "--model", "debug-moe"]}]
     for run in runs:
         run["argv"] += ["--out", str(out / run["name"])]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -180,7 +181,8 @@ def _step1(tmp: Path, name: str, *flags) -> Path:
 def step1_runs(data, two_ranks, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("step1")
     return {"masked": _step1(tmp, "masked", "--data", str(data), "--doc-mask"),
-            "plain": _step1(tmp, "plain", "--data", str(data))}
+            "plain": _step1(tmp, "plain", "--data", str(data)),
+            "masked_moe": _step1(tmp, "masked_moe", "--data", str(data), "--doc-mask", "--model", "debug-moe")}
 
 
 def test_step1_trains_with_the_mask_and_computes_the_masked_loss(data, step1_runs):
@@ -204,12 +206,13 @@ def test_step1_trains_with_the_mask_and_computes_the_masked_loss(data, step1_run
     assert json.loads((step1_runs["plain"] / "summary.json").read_text())["savers"] == ""
 
 
-@pytest.mark.parametrize("name", ["2d", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["2d", "ddp", "fsdp", "ep"])
 def test_two_ranks_match_one_process(two_ranks, step1_runs, name):
     proc, out = two_ranks
     stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, stderr[-3000:]
-    assert _losses(out / name) == pytest.approx(_losses(step1_runs["masked"]), rel=1e-5), name
+    ref = step1_runs["masked_moe" if name == "ep" else "masked"]
+    assert _losses(out / name) == pytest.approx(_losses(ref), rel=1e-5), name
 
 
 def test_a_checkpoint_says_whether_it_was_trained_with_the_mask():

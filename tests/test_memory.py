@@ -288,8 +288,7 @@ def test_runs_in_one_process_leave_nothing_of_each_other(tmp_path):
     cycle through the tracer kept the model and AdamW's state until one: on CUDA, whose
     allocator counts everything alive, the next run's peak then held 12-16 bytes a parameter
     of every run before it). FSDP2's own cycles (module <-> FSDPParam) go with the full
-    collection tools.multirun makes after a run whose model outlived it; after a run whose
-    model did not (TP here), the young generations' collection leaves nothing either."""
+    collection tools.multirun makes after every run."""
     import subprocess
     import sys
     from pathlib import Path

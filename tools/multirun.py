@@ -71,7 +71,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
         # Nothing of this run may reach into the next: a run that failed half-way leaves Python's
         # collector frozen (common/measure/memory.py's StepCollector) and its objects to a
         # collection; on a GPU the next run's allocator counters would start with them.
-        collect_between_runs(failed=code != 0)
+        collect_between_runs()
     return code, err.getvalue()
 
 

@@ -151,9 +151,8 @@ class StepCollector:
     the sign that nothing of one step outlives it unless a collector runs.
     """
 
-    def __init__(self, enabled: bool = True, watch: tuple = ()):
+    def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._watch = [weakref.ref(o) for o in watch]  # the run's model(s) and optimizer: see collect_between_runs
         self.objects: list[int] = []       # unreachable objects the collection found, per step
         self.tensor_bytes: list[int] = []  # bytes of the tensor storages among them, per step
         if enabled:
@@ -193,31 +192,27 @@ class StepCollector:
         """Collect what the run made and left in reference cycles (the frozen objects are not
         looked at: a fraction of a millisecond), then give the frozen ones back to the
         collector. Those (the model, the optimizer: the script still holds them) go with the
-        next full collection: Python's own, or collect_between_runs when a process runs
-        another run (tools/multirun.py)."""
+        next full collection: collect_between_runs when a process runs another run
+        (tools/multirun.py), which the next run's start otherwise makes."""
         if self.enabled:
             gc.collect()
             gc.unfreeze()
             _RUN_ENDED[0] = True
-            _LAST_RUN[:] = self._watch
             self.enabled = False
 
 
 _RUN_ENDED = [False]  # a run has ended in this process since the last full collection
-_LAST_RUN: list = []  # weak references to the last run's model(s) and optimizer
 
 
-def collect_between_runs(failed: bool = False):
-    """Between two runs in one process: everything back to the collector, and a collection,
-    so that nothing of the run that ended is alive when the next one starts counting. A
-    model in reference cycles (FSDP2's module <-> FSDPParam) outlives its run until a full
-    collection, which looks at every object of torch (0.1-0.3 s); a model that its run's
-    end freed by itself, with its optimizer, needs only the young generations'. A failed
-    run (its exception's traceback holds its frames) always gets the full one."""
+def collect_between_runs():
+    """Between two runs in one process: everything back to the collector, and a full
+    collection, so that nothing of the run that ended is alive when the next one starts
+    counting, and so that what it left in reference cycles goes now, on every rank at the same
+    point. A process group in a cycle (DDP's Reducer holds one) must not be freed by whichever
+    collection happens to run later: gloo's teardown waits for its peers, and a rank that
+    freed it inside the next run's start, while the other rank made the next group, hung."""
     gc.unfreeze()
-    alive = [r for r in _LAST_RUN if r() is not None]
-    _LAST_RUN.clear()
-    gc.collect(2 if failed or alive else 1)
+    gc.collect()
     _RUN_ENDED[0] = False
 
 
