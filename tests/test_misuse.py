@@ -13,13 +13,16 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, hang_limit
 from tools import misuse
 from tools.docs import block
 
 ONE = [n for n, c in misuse.CASES.items() if c.ranks == 1]
 TWO = [n for n, c in misuse.CASES.items() if c.ranks == 2]
-LIMIT_S = 30  # per in-process case; the slowest (a checkpoint written, then refused) takes ~2 s
+# A hang detector per case: the slowest (a checkpoint written, then refused) takes ~2 s on an idle
+# machine; under pytest-xdist the cases share the cores with the other worker's launches (and
+# the first case of a process once took 31 s in CI while both cores ran torchrun jobs).
+LIMIT_S = hang_limit(30)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,11 @@ def torchrun_job(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, torchrun_job):
-    """One folder and one cache for the in-process cases (the checkpoint several start from)."""
+    """One folder and one cache for the in-process cases (the checkpoint several start from);
+    the scripts' own imports made first, so that no case's seconds hold them."""
+    import common.checkpoint  # noqa: F401
+    import common.run  # noqa: F401
+    import common.training  # noqa: F401
     return tmp_path_factory.mktemp("misuse"), {}
 
 
