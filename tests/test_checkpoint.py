@@ -35,6 +35,7 @@ from common.data import load_corpus
 from common.distributed import distributed
 from common.errors import UserError
 from common.model import Transformer, get_config
+import launch
 from conftest import ROOT, hang_limit
 from drivers import dp as _dp
 
@@ -50,15 +51,15 @@ def _losses(folder):
 
 
 def _run(cmd, timeout=180):
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def step1_runs(tmp_path_factory):
     """An uninterrupted run, and one that crashes at step 3 and is restarted by torchrun."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    plain = subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    plain = launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     elastic = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     "--max-restarts", "1", STEP1_SCRIPT, *STEP1_FLAGS, "--resume", "--fail-at-step", "3",
                     "--out", str(tmp / "elastic")])
@@ -115,15 +116,15 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(step1_runs, tmp_path
     other_batch = tmp_path / "other_batch"
     shutil.copytree(tmp / "plain", other_batch)
     procs = {
-        "truncated": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--steps", "8", "--resume",
-                                       "--out", str(broken)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                      stdout=subprocess.DEVNULL),
-        "other model": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--n-layers", "2", "--resume",
-                                         "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
-                                        text=True, stdout=subprocess.DEVNULL),
-        "other batch": subprocess.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--global-batch-size", "8", "--resume",
-                                         "--out", str(other_batch)], cwd=ROOT, stderr=subprocess.PIPE,
-                                        text=True, stdout=subprocess.DEVNULL),
+        "truncated": launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--steps", "8", "--resume",
+                                   "--out", str(broken)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                  stdout=subprocess.DEVNULL),
+        "other model": launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--n-layers", "2", "--resume",
+                                     "--out", str(tmp / "plain")], cwd=ROOT, stderr=subprocess.PIPE,
+                                    text=True, stdout=subprocess.DEVNULL),
+        "other batch": launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--global-batch-size", "8", "--resume",
+                                     "--out", str(other_batch)], cwd=ROOT, stderr=subprocess.PIPE,
+                                    text=True, stdout=subprocess.DEVNULL),
     }
     expected = {"truncated": "step_00000005 cannot be read",
                 "other model": "holds a checkpoint of another run (step_00000005): --n-layers 4 there, 2 here.",
@@ -240,12 +241,13 @@ def jobs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume")
     env = dict(os.environ, PORT=str(_free_port()), NPROC="2",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this python's torchrun
+    # the real torchrun (not tests/launch.py's fork): what it does with a SIGTERM is the test
     preempt = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                 "2", *PREEMPT_TORCHRUN, "--out", str(folder / "fsdp_torchrun")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    r = subprocess.run(["bash", "step4_multi_node/two_nodes_on_one_machine.sh", "tests/drivers/resume.py",
-                        str(folder), json.dumps(TWO_NODES)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=150)
+    r = launch.run(["bash", "step4_multi_node/two_nodes_on_one_machine.sh", "tests/drivers/resume.py",
+                    str(folder), json.dumps(TWO_NODES)], cwd=ROOT, env=env, capture_output=True, text=True,
+                   timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     two_nodes = _results(folder, TWO_NODES)
     out, err = preempt.communicate(timeout=150)
@@ -254,9 +256,9 @@ def jobs(tmp_path_factory):
     data = folder / "non_utf8.txt"
     data.write_bytes(bytes(range(256)) * 64 + "caf\u00e9 na\u00efve".encode("latin-1") * 500)
     plan = json.loads(json.dumps(ELASTIC).replace("NON_UTF8", str(data)))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "4", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "--max-restarts", "4", "tests/drivers/resume.py", str(folder), json.dumps(plan)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("crashing on purpose") == 4, r.stdout[-3000:]
     elastic = _results(folder, ELASTIC)
@@ -441,7 +443,7 @@ def _ctrl_c(tmp_path, script: str, nproc: int, flags: list[str], after_steps: in
     many seconds after the one before. Returns the seconds from the last press until every
     rank was gone (None: still there after 30 s), and what torchrun and the ranks printed."""
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    with open(log, "w") as f:
+    with open(log, "w") as f:  # the real torchrun: what it does with a Ctrl-C is the test
         p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                               str(nproc), script, *flags, "--out", str(out)], cwd=ROOT, stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True)
@@ -823,9 +825,9 @@ MP_PLAN = {
 def mp_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume_mp")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "1", "tests/drivers/resume.py", str(folder), json.dumps(MP_PLAN)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "--max-restarts", "1", "tests/drivers/resume.py", str(folder), json.dumps(MP_PLAN)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("crashing on purpose") == 1, r.stdout[-3000:]
     res = {name: json.loads((folder / f"{name}.json").read_text()) for name in MP_PLAN}
@@ -889,9 +891,9 @@ PLAN_3D = {
 
 @pytest.mark.parametrize("plan", [PLAN_2D, PLAN_3D], ids=["2d-2x2", "3d-pp2xtp2-and-pp2xdp2"])
 def test_two_d_and_three_d_on_four_ranks_resume_exactly(tmp_path, plan):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        "tests/drivers/resume.py", str(tmp_path), json.dumps(plan)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                    "tests/drivers/resume.py", str(tmp_path), json.dumps(plan)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in plan}
     for name, run in res.items():
@@ -963,9 +965,9 @@ def test_train_slurm_requeues_a_warned_job_only_if_the_run_is_not_complete(tmp_p
         # torch 2.13's torchrun and no interface set; then torch 2.11's, and the person's interface
         env |= {"TORCHRUN_HAS": "[--shutdown-timeout SHUTDOWN_TIMEOUT]"} if not complete else \
             {"TORCHRUN_HAS": "", "GLOO_SOCKET_IFNAME": "eth7"}
-        r = subprocess.run(["bash", str(ROOT / "step4_multi_node" / "train.slurm"), "step3_multi_gpu/train_fsdp.py",
-                            "--steps", "5", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=30)
+        r = launch.run(["bash", str(ROOT / "step4_multi_node" / "train.slurm"), "step3_multi_gpu/train_fsdp.py",
+                        "--steps", "5", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         gloo, *args = (tmp_path / "srun").read_text().splitlines()[-1].split()
         assert gloo == ("eth7" if complete else "ib0"), gloo

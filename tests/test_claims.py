@@ -9,7 +9,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from common.measure import theory
 from common.measure.comm import RING_FACTOR
 from tools.estimate import trace
 from common.model import get_config
+import launch
 from conftest import ROOT
 
 W = 4  # the README's chapter 3 runs on four ranks
@@ -30,9 +30,9 @@ W = 4  # the README's chapter 3 runs on four ranks
 def gloo(tmp_path_factory):
     out = tmp_path_factory.mktemp("claims") / "claims.json"
     env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(ROOT / "tests" / "drivers" / "claims.py"), str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=150)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(ROOT / "tests" / "drivers" / "claims.py"), str(out)], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -17,6 +17,8 @@ import torch
 from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
+import launch  # noqa: E402
+
 from common.parallelize.comm_hooks import (BF16_REFUSED, all_reduce_bytes, bf16_hook_supported,  # noqa: E402
                                check_comm_hook, register_comm_hook)
 from common.errors import UserError  # noqa: E402
@@ -34,7 +36,7 @@ def _torchrun(nproc: int, script: str, *args, timeout: int = 120) -> subprocess.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "step3_multi_gpu" / script), "--device", "cpu", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    r = launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, f"{script} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 
@@ -204,8 +206,8 @@ def test_comm_hooks_cut_bytes_and_still_train(tmp_path):
 
 def test_dp_vs_ddp_explains_and_exits_cleanly_without_gpus():
     # --device cpu: what it says without GPUs, whatever this machine has (with 2+ it would time them)
-    r = subprocess.run([sys.executable, str(ROOT / "step3_multi_gpu" / "dp_vs_ddp.py"), "--model", "small",
-                        "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = launch.run([sys.executable, str(ROOT / "step3_multi_gpu" / "dp_vs_ddp.py"), "--model", "small",
+                    "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     out = r.stdout

@@ -32,6 +32,7 @@ import time
 import pytest
 
 from common import ROOT
+import launch
 from conftest import hang_limit
 
 TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs together take about a minute on an idle 2-core machine
@@ -66,7 +67,7 @@ def runs(tmp_path_factory):
         (out / "cases.json").write_text(json.dumps(cases))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(ROOT / "tests/drivers/compile.py"), str(out), str(out / "cases.json")]
-        procs[world] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[world] = launch.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.perf_counter()
     for world, proc in procs.items():
         try:

@@ -25,6 +25,7 @@ from common.model import count_params, get_config
 from common.measure.theory import Plan, cp_bytes_per_step, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
+import launch
 from conftest import hang_limit
 from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path, dry_runs
 
@@ -65,8 +66,8 @@ def runs(tmp_path_factory):
         out = tmp / f"world{n}"
         out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
-        procs[n] = subprocess.Popen(torchrun(n, "tests/drivers/cp.py", out, out / "cases.json"), cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[n] = launch.Popen(torchrun(n, "tests/drivers/cp.py", out, out / "cases.json"), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.perf_counter()
     logs = {}
     for n, proc in procs.items():

@@ -7,11 +7,11 @@ and never the rest of the tutorial.
 import json
 import os
 import runpy
-import subprocess
 import sys
 
 import pytest
 
+import launch
 from common import ROOT
 from common.model import count_params, get_config
 from tools import deepspeed_compare
@@ -87,11 +87,11 @@ def test_a_stop_signal_stops_deepspeed_at_one_step_unsaved(tmp_path):
     --ckpt-every), so it writes no checkpoint and says the steps are lost. (Before, the stop
     tried a DCP save of ZeRO-3's emptied parameters and failed with a wrong sentence.)"""
     pytest.importorskip("deepspeed")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "step3_multi_gpu/train_deepspeed.py", *STEPS, "--steps", "4", "--zero-stage", "3",
-                        "--no-trace-memory", "--fail-at-step", "1", "--fail-rank", "1", "--fail-how", "sigterm",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "step3_multi_gpu/train_deepspeed.py", *STEPS, "--steps", "4", "--zero-stage", "3",
+                    "--no-trace-memory", "--fail-at-step", "1", "--fail-rank", "1", "--fail-how", "sigterm",
+                    "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                   env=dict(os.environ, DS_ACCELERATOR="cpu"))
     # (torchrun names the first rank to leave with 75; the other may be stopped by it first)
     assert r.returncode != 0 and "exitcode  : 75" in r.stderr, r.stderr[-3000:]
     said = [line for line in r.stderr.splitlines() if line.startswith("preempted")]

@@ -9,6 +9,7 @@ import torch
 
 from common.distributed import NAME_THE_DEVICE, resolve_device
 from common.errors import UserError
+import launch
 from conftest import ROOT
 
 DRIVER = str(ROOT / "tests" / "drivers" / "dist.py")
@@ -16,7 +17,7 @@ DRIVER = str(ROOT / "tests" / "drivers" / "dist.py")
 
 def _torchrun(n, *args, timeout=180):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), DRIVER, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
@@ -50,10 +51,10 @@ def test_the_suite_never_lets_auto_pick_the_device(tmp_path):
     assert resolve_device("cpu", 0, 1) == torch.device("cpu")
     assert resolve_device("auto", 0, 1, device_count=1) == torch.device("cuda", 0)  # a question, not a choice
     # a launched script inherits it: the sentence, exit 2, no training
-    r = subprocess.run([sys.executable, str(ROOT / "step1_single_gpu" / "train.py"), "--model", "debug", "--steps", "1",
-                        "--seq-len", "32", "--global-batch-size", "2", "--no-trace-memory", "--eval-batches", "0",
-                        "--data", "synthetic", "--device", "auto", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = launch.run([sys.executable, str(ROOT / "step1_single_gpu" / "train.py"), "--model", "debug", "--steps", "1",
+                    "--seq-len", "32", "--global-batch-size", "2", "--no-trace-memory", "--eval-batches", "0",
+                    "--data", "synthetic", "--device", "auto", "--out", str(tmp_path)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {e.value}", r.stderr[-2000:]
 
 
@@ -117,8 +118,8 @@ def test_the_collective_recorder_names_tensors_off_the_run_device():
 
 
 def test_plain_python_is_world_size_one(tmp_path):
-    r = subprocess.run([sys.executable, DRIVER, "ok", str(tmp_path / "r")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = launch.run([sys.executable, DRIVER, "ok", str(tmp_path / "r")], cwd=ROOT, capture_output=True,
+                   text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     got = json.loads((tmp_path / "r.0.json").read_text())
     assert got["world"] == 1 and not got["launched"] and got["sum"] == 0
@@ -158,7 +159,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     """kill -9 of torchrun must not leave its workers training (and writing into --out)."""
     import signal
     out = tmp_path / "orphans"
-    launcher = subprocess.Popen(
+    launcher = launch.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "step1_single_gpu" / "train.py"), "--model", "debug", "--steps", "100000", "--seq-len", "32",
          "--global-batch-size", "2", "--device", "cpu", "--no-trace-memory", "--out", str(out)],
@@ -168,8 +169,8 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
             assert time.time() < deadline and launcher.poll() is None, "the run did not start"
             time.sleep(0.5)
-        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                  text=True).stdout.split()]
+        workers = [int(p) for p in launch.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                              text=True).stdout.split()]
         assert len(workers) == 2, workers
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
@@ -183,4 +184,4 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        subprocess.run(["pkill", "-9", "-f", str(out)])
+        launch.run(["pkill", "-9", "-f", str(out)])

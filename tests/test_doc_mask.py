@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from common.checkpoint import config_differences
 from common.data import Batches, load_corpus
 from common.model import build_model, document_mask, get_config, kv_for_kernel, set_doc_mask
+import launch
 from conftest import ROOT, hang_limit
 from tools import prepare_data
 from tools.multirun import run_script
@@ -159,9 +160,9 @@ def two_ranks(data, tmp_path_factory):
             {"name": "ep", "script": "step3_multi_gpu/train_ep.py", "argv": [*flags, "--model", "debug-moe"]}]
     for run in runs:
         run["argv"] += ["--out", str(out / run["name"])]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "tools/multirun.py", "--runs", json.dumps(runs)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "tools/multirun.py", "--runs", json.dumps(runs)],
+                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc, out
     if proc.poll() is None:
         proc.kill()

@@ -27,6 +27,7 @@ from common import ROOT
 from common.measure.theory import Plan, predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
+import launch
 from conftest import hang_limit
 from tests.tolerances import check_allocator, check_bf16_parity, check_optimizer_path, dry_runs
 
@@ -77,8 +78,8 @@ def runs(tmp_path_factory):
         out = tmp / f"world{n}"
         out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
-        procs[n] = subprocess.Popen(torchrun(n, ROOT / "tests/drivers/model_parallel.py", out, out / "cases.json"),
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[n] = launch.Popen(torchrun(n, ROOT / "tests/drivers/model_parallel.py", out, out / "cases.json"),
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for n, proc in procs.items():
         try:
             log, _ = proc.communicate(timeout=max(1, TIMEOUT_S - (time.perf_counter() - start)))

@@ -9,6 +9,7 @@ import pytest
 from common.measure import theory
 from tools.estimate import main as estimate_main, trace
 from common.model import count_params, get_config
+import launch
 from conftest import ROOT
 
 DEBUG, SMALL = get_config("debug"), get_config("small")
@@ -19,10 +20,10 @@ N, T = count_params(DEBUG), 9 * DEBUG.n_layers + 3  # parameters, parameter tens
 def step1(tmp_path_factory):
     """A real step 1 run (started first; its summary.json holds prediction and measurement)."""
     out = tmp_path_factory.mktemp("step1")
-    proc = subprocess.Popen([sys.executable, "step1_single_gpu/train.py", "--model", "debug", "--steps", "2",
-                             "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--data", "synthetic",
-                             "--eval-batches", "0", "--trace-steps", "1", "--out", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.Popen([sys.executable, "step1_single_gpu/train.py", "--model", "debug", "--steps", "2",
+                         "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--data", "synthetic",
+                         "--eval-batches", "0", "--trace-steps", "1", "--out", str(out)],
+                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc, out
     proc.kill()
 
@@ -219,8 +220,8 @@ def test_bad_input_is_one_sentence_and_exit_2(flags, expected, capsys):
 
 
 def test_bad_input_exit_code_from_the_command_line():
-    r = subprocess.run([sys.executable, "-m", "tools.estimate", "--strategy", "zero9"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = launch.run([sys.executable, "-m", "tools.estimate", "--strategy", "zero9"], cwd=ROOT,
+                   capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --strategy")
 
 

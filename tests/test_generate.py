@@ -197,13 +197,14 @@ def test_loading_transformers_prints_nothing_that_is_not_ours():
     load, and torch notes deprecations; a learner exporting a model reads them as our failure.
     common.hf.require loads torchao first with those warnings quieted (a fresh process: in
     this one torchao may be loaded already)."""
-    import subprocess
     import sys
+
+    import launch
 
     from common import ROOT
 
     code = ("from common.hf import require; t = require('transformers'); t.LlamaForCausalLM; "
             "t.AutoModelForCausalLM; print('ok')")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = launch.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
     assert "Failed to load" not in p.stderr and "register_constant" not in p.stderr, p.stderr[-2000:]

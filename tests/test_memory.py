@@ -289,15 +289,16 @@ def test_runs_in_one_process_leave_nothing_of_each_other(tmp_path):
     allocator counts everything alive, the next run's peak then held 12-16 bytes a parameter
     of every run before it). FSDP2's own cycles (module <-> FSDPParam) go with the full
     collection tools.multirun makes after every run."""
-    import subprocess
     import sys
+
+    import launch
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     scripts = ["step1_single_gpu/train.py", "step2_memory/train_amp.py", "step2_memory/train_amp_ac.py",
                "step3_multi_gpu/train_ddp.py", "step3_multi_gpu/train_tp.py", "multirun:step3_multi_gpu/train_fsdp.py",
                "multirun:step3_multi_gpu/train_tp.py"]
-    r = subprocess.run([sys.executable, "tests/drivers/one_process.py", str(tmp_path), *scripts], cwd=root,
-                       capture_output=True, text=True, timeout=600)
+    r = launch.run([sys.executable, "tests/drivers/one_process.py", str(tmp_path), *scripts], cwd=root,
+                   capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "alive.json").read_text())
     baseline = rows[0]

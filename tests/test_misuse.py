@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import launch
 from conftest import ROOT, hang_limit
 from tools import misuse
 from tools.docs import block
@@ -33,8 +34,8 @@ def torchrun_job(tmp_path_factory):
     # into a file, not a pipe: nobody reads a pipe while the in-process cases run, and a
     # full one would stall the job
     with open(folder / "log.txt", "w") as log:
-        proc = subprocess.Popen([sys.executable, "tools/misuse.py", "--two-rank-jobs", ",".join(TWO), "--json",
-                                 str(out)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = launch.Popen([sys.executable, "tools/misuse.py", "--two-rank-jobs", ",".join(TWO), "--json",
+                             str(out)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -135,8 +136,8 @@ def test_the_troubleshooting_table_is_the_one_the_cases_make():
 def test_tools_run_as_files_from_anywhere(tmp_path):
     """``python tools/estimate.py`` (not ``-m tools.estimate``), started from another folder:
     Python then puts tools/ on the path, not the repository, and ``import common`` failed."""
-    procs = {tool: subprocess.Popen([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *argv], cwd=tmp_path,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {tool: launch.Popen([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *argv], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for tool, argv in (("estimate", ["--n-layers", "0"]), ("compare", [str(tmp_path / "none")]))}
     for tool, proc in procs.items():
         _, err = proc.communicate(timeout=120)

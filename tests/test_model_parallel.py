@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
 from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
+import launch
 from conftest import hang_limit  # noqa: E402
 from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
 
@@ -167,9 +168,10 @@ def runs(tmp_path_factory):
         out = tmp / f"world{n}"
         out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
-        procs[n] = subprocess.Popen(torchrun(WORLD[n], ROOT / "tests/drivers/model_parallel.py", out, out / "cases.json"),
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[n] = launch.Popen(torchrun(WORLD[n], ROOT / "tests/drivers/model_parallel.py", out, out / "cases.json"),
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.perf_counter()
+    # the real torchrun: the test reads its failure report, whose lines name how it started the ranks
     procs["bad"] = subprocess.Popen(torchrun(4, *BAD_LAUNCH, "--out", tmp / "bad"), cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     logs = {}
@@ -328,8 +330,8 @@ def dry(tmp_path_factory):
                      "argv": [f for f in c["flags"] if f != "--save-weights"] + [
                          "--device", "cpu", "--fake-world-size", str(WORLD[n]), "--fake-rank", str(rank),
                          "--out", str(tmp / name)]})
-    r = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = launch.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
+                   capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return {name: json.loads((tmp / name / "summary.json").read_text()) for (_, name) in DRY}
 

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+import launch
 from conftest import ROOT, hang_limit
 from tests.tolerances import check_allocator, check_optimizer_path
 
@@ -71,7 +72,7 @@ def launches(tmp_path_factory):
         "rehearse": [sys.executable, "-m", "tools.gpu_pass", "--rehearse", "--report-dir", str(tmp / "rehearse"),
                      "--keep-runs", str(tmp / "kept")],
     }
-    procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {k: launch.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, c in cmds.items()}
     start, logs, took = time.perf_counter(), {}, {}
     for key, proc in procs.items():
@@ -149,8 +150,8 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
 def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
     import os
     # CUDA_VISIBLE_DEVICES="": no GPU for the child, whatever this machine has
-    r = subprocess.run([sys.executable, "-m", "tools.gpu_check"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    r = launch.run([sys.executable, "-m", "tools.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                   timeout=60, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: no CUDA GPU is visible here (or this torch has no CUDA); run "
                                              "this on a GPU machine, or pass --cpu for the same runs at toy scale "

@@ -26,6 +26,7 @@ from common.checkpoint import config_differences, read_meta
 from common.data import Batches, load_corpus
 from common.errors import UserError
 from common.hf import byte_chars
+import launch
 from conftest import ROOT, hang_limit
 from tools import prepare_data
 
@@ -248,29 +249,29 @@ def runs(bpe):
     tmp = bpe.parent / "runs"
     data = tmp / "data"  # a copy the tests may re-prepare in place, leaving `bpe` to the others
     shutil.copytree(bpe, data)
-    launch = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            DDP, *FLAGS, "--data", str(data), "--ckpt-every", "2", "--out", str(tmp / "two")], **launch)
+    kw = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    two = launch.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        DDP, *FLAGS, "--data", str(data), "--ckpt-every", "2", "--out", str(tmp / "two")], **kw)
     # one process: DDP at world size 1, and the mixture of experts' reference for EP
-    one = subprocess.Popen([sys.executable, "tools/multirun.py", "--runs", json.dumps([
+    one = launch.Popen([sys.executable, "tools/multirun.py", "--runs", json.dumps([
         {"name": "one", "script": "step3_multi_gpu/train_ddp.py", "argv": [*FLAGS, "--data", str(bpe), "--save-weights",
-                                                                           "--out", str(tmp / "one")]},
+                                                                       "--out", str(tmp / "one")]},
         {"name": "ep_one", "script": "step3_multi_gpu/train_ep.py", "argv": [*FLAGS, "--model", "debug-moe", "--data",
-                                                                             str(bpe), "--out", str(tmp / "ep_one")]}])],
-        **launch)
-    layouts = {n: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                    "2", "tools/multirun.py", "--runs", json.dumps(
-                                        [{"name": name, "script": f"step3_multi_gpu/{script}.py", "argv": [
-                                            *FLAGS, *flags, "--data", str(bpe), "--out", str(tmp / name)]}
-                                         for name, (script, *flags) in LAYOUTS.items() if name in job])], **launch)
+                                                                         str(bpe), "--out", str(tmp / "ep_one")]}])],
+        **kw)
+    layouts = {n: launch.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                "2", "tools/multirun.py", "--runs", json.dumps(
+                                    [{"name": name, "script": f"step3_multi_gpu/{script}.py", "argv": [
+                                        *FLAGS, *flags, "--data", str(bpe), "--out", str(tmp / name)]}
+                                     for name, (script, *flags) in LAYOUTS.items() if name in job])], **kw)
                for n, job in enumerate(LAYOUT_JOBS)}
     for p in (two, one, *layouts.values()):
         out, err = p.communicate(timeout=TIMEOUT_S)
         assert p.returncode == 0, err[-3000:]
     (tmp / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp / "two" / "checkpoints" / "step_00000001", tmp / "resumed" / "checkpoints" / "step_00000001")
-    r = subprocess.run([sys.executable, DDP, *FLAGS, "--data", str(data), "--resume", "--out", str(tmp / "resumed")],
-                       timeout=TIMEOUT_S, **launch)
+    r = launch.run([sys.executable, DDP, *FLAGS, "--data", str(data), "--resume", "--out", str(tmp / "resumed")],
+                   timeout=TIMEOUT_S, **kw)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "saved by 2 rank(s)" in r.stdout
     return tmp
@@ -503,9 +504,9 @@ def test_the_data_benchmark_prints_each_runs_memory_and_wait(tmp_path):
     (summary.json's data wait, step time and their share; the shards meta.json lists), the
     shards dropped from the file cache first, and the closing line's ratio that of the rows."""
     import re
-    r = subprocess.run([sys.executable, "-m", "tools.bench_data", "--tokens", "2e5,1e6", "--model", "debug", "--steps",
-                        "4", "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--out",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = launch.run([sys.executable, "-m", "tools.bench_data", "--tokens", "2e5,1e6", "--model", "debug", "--steps",
+                    "4", "--seq-len", "64", "--global-batch-size", "4", "--device", "cpu", "--out",
+                    str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert "the shards dropped from the file cache before each run" in lines[0]
@@ -524,7 +525,7 @@ def test_the_data_benchmark_prints_each_runs_memory_and_wait(tmp_path):
                            f"{s['data_wait_share']:.2%}"]
     rss = [k["peak_rss_bytes"] for k in kept]
     assert f"the peak resident memory changed {max(rss) / min(rss):.2f}x" in lines[-1]
-    bad = subprocess.run([sys.executable, "-m", "tools.bench_data", "--tokens", "1e7,5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    bad = launch.run([sys.executable, "-m", "tools.bench_data", "--tokens", "1e7,5"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --tokens 5: give whole token counts of 100000 or more, comma-separated (1e7,1e9)."]

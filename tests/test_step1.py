@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from common.model import count_params, get_config
+import launch
 from conftest import ROOT
 
 SCRIPT = str(ROOT / "step1_single_gpu" / "train.py")
@@ -14,7 +15,7 @@ TINY = ["--model", "debug", "--steps", "12", "--seq-len", "64", "--global-batch-
 
 
 def _start(cmd, **kw):
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return launch.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _finish(proc, timeout=240):
@@ -163,7 +164,7 @@ def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
     assert code == 2
     assert f"another run (pid {os.getppid()}) is writing into --out {tmp_path}" in capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists()  # it wrote nothing
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = launch.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock.write_text(f"{dead.stdout.strip()} {socket.gethostname()}\n")  # a killed run's stale lock
     assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0
     assert not lock.exists()  # released at the end

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
+import launch  # noqa: E402
+
 from common import training  # noqa: E402
 from common.measure.memory import MemoryTracer  # noqa: E402
 from common.parallelize.ac import apply_ac  # noqa: E402
@@ -392,8 +394,8 @@ def misuse_process(tmp_path_factory):
     """Started before the first test, so that its seconds of importing torch overlap them."""
     name, flags, _ = MISUSE[1]
     out = tmp_path_factory.mktemp("misuse")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "step2_memory" / f"{name}.py"), *TINY, "--out", str(out),
-                             *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.Popen([sys.executable, str(ROOT / "step2_memory" / f"{name}.py"), *TINY, "--out", str(out),
+                         *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
     if proc.poll() is None:
         proc.kill()

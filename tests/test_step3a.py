@@ -14,6 +14,8 @@ import pytest
 from common import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
+import launch  # noqa: E402
+
 from common.measure.theory import comm_bytes, model_state, padded_shard_numel, param_shapes, unsharded_bytes  # noqa: E402
 from common.model import count_params, get_config  # noqa: E402
 from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
@@ -89,7 +91,7 @@ def launched(tmp_path_factory) -> dict:
         out = tmp_path_factory.mktemp(f"dp{world}") / "results.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                "tests/drivers/dp.py", str(out), json.dumps(PLANS[world])]
-        procs[world] = (subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        procs[world] = (launch.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                         out)
     yield procs
     for proc, _ in procs.values():
@@ -419,8 +421,8 @@ def dry4(tmp_path_factory):
              "argv": COMMON + PLANS[4][name][1] + ["--fake-world-size", "4", "--fake-rank", str(rank),
                                                    "--out", str(tmp / name)]}
             for name, rank in DRY.items()]
-    r = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=150)
+    r = launch.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
+                   capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("collectives are skipped") == len(DRY), r.stdout[-2000:]
     return {name: json.loads((tmp / name / "summary.json").read_text()) for name in DRY}
@@ -449,18 +451,18 @@ def test_bad_input_is_one_clear_sentence(job4):
 
 
 def test_a_real_process_exits_2_with_the_sentence():
-    r = subprocess.run([sys.executable, "step3_multi_gpu/train_fsdp.py", "--model", "debug", "--data", "synthetic",
-                        "--hsdp", "2", "2", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = launch.run([sys.executable, "step3_multi_gpu/train_fsdp.py", "--model", "debug", "--data", "synthetic",
+                    "--hsdp", "2", "2", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == ("error: a 2 x 2 mesh (replicate, shard) needs 4 ranks but 1 were launched; "
                                 "make the product equal the world size.")
 
 
 def test_plain_python_runs_one_rank_and_says_how_to_launch(tmp_path):
-    r = subprocess.run([sys.executable, "step3_multi_gpu/train_ddp.py", "--model", "debug", "--data", "synthetic",
-                        "--device", "cpu", "--steps", "2", "--seq-len", "32", "--global-batch-size", "2", "--eval-batches", "0",
-                        "--no-trace-memory", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = launch.run([sys.executable, "step3_multi_gpu/train_ddp.py", "--model", "debug", "--data", "synthetic",
+                    "--device", "cpu", "--steps", "2", "--seq-len", "32", "--global-batch-size", "2", "--eval-batches", "0",
+                    "--no-trace-memory", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                   timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("note: plain python runs a single rank; for four, launch torchrun --nproc-per-node 4 "
             "step3_multi_gpu/train_ddp.py") in r.stdout

@@ -80,14 +80,15 @@ def dry_runs(runs: list[dict], out, timeout_s: float) -> dict[str, dict]:
     each, the second traced and the third counted, as in the real runs they are held to
     (the first two do one-time work: DDP rebuilds its buckets in the second)."""
     import json
-    import subprocess
     import sys
+
+    import launch
 
     from common import ROOT
     runs = [{**r, "argv": [*r["argv"], "--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--device", "cpu",
                            "--out", str(out / r["name"])]} for r in runs]
-    p = subprocess.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout_s)
+    p = launch.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
+                   capture_output=True, text=True, timeout=timeout_s)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("collectives are skipped") == len(runs), p.stdout[-2000:]
     return {r["name"]: json.loads((out / r["name"] / "summary.json").read_text()) for r in runs}
