@@ -26,6 +26,7 @@ import pytest
 from tools.docs import all_text
 
 from common import ROOT  # noqa: E402
+from conftest import hang_limit  # noqa: E402
 TINY = ["--model", "debug", "--steps", "2", "--seq-len", "32", "--global-batch-size", "4",
         "--no-trace-memory", "--eval-batches", "0"]
 
@@ -147,8 +148,11 @@ def test_readme_commands_run(tmp_path):
             launch = [sys.executable]
         t = time.perf_counter()
         extra = next((v for k, v in AFTER_TINY.items() if start.startswith(k)), [])
+        # a hang detector, far above the ~25 s these take together here: eight fresh interpreters
+        # (and three torchrun jobs) start at once, and beside a second suite on 2 cores a
+        # 2-step run took over 120 s
         p = subprocess.run(launch + [target, *argv, *TINY, *extra, *out], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=hang_limit(300))
         return start, p, time.perf_counter() - t
 
     with ThreadPoolExecutor(len(RUN)) as pool:
