@@ -215,22 +215,9 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
                         for dim in range(mesh.ndim):
                             dist.barrier(group=mesh.get_group(dim))
                     dist.barrier()
-                _FINISHED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
                 dist.destroy_process_group()
             else:
                 _drop_after_error(backend)
-
-
-# Every process group this process has finished with, kept until the process exits. The last
-# reference to a gloo group is often DDP's reducer's, dropped when a script's main() returns;
-# the group's destructor then joins its worker threads while holding the GIL, and a worker still
-# freeing a collective that has just completed (its tensors have Python objects, which takes the
-# GIL) never ends: both wait for ever. Seen in a 2-rank tools/multirun job beside a second test
-# suite: rank 1's main thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, its gloo worker in
-# ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire, rank 0 waiting in the next run's
-# init_process_group. Kept here, a group is destroyed when the interpreter exits, long after its
-# last collective.
-_FINISHED_GROUPS: list = []
 
 
 def distributed_for(args, **kwargs):
