@@ -52,6 +52,7 @@ def test_a_variable_read_at_import_time_starts_a_fresh_interpreter(tmp_path):
 
 
 def test_exit_status_errors_timeouts_and_signals_as_for_a_child(tmp_path):
+    assert _probe(tmp_path, "code")["ppid"] != os.getpid()  # these launches are forked, not fresh
     def run(code, **kw):
         return launch.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, **kw)
 
