@@ -215,9 +215,39 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
                         for dim in range(mesh.ndim):
                             dist.barrier(group=mesh.get_group(dim))
                     dist.barrier()
+                _keep_until_released()
                 dist.destroy_process_group()
             else:
+                _keep_until_released()
                 _drop_after_error(backend)
+
+
+# The process groups of runs that have ended, held here until release_finished_groups. A gloo
+# group's destructor joins its worker threads; when the last reference to it is C++'s (DDP's
+# Reducer, freed by a garbage collection after the run), that destructor runs holding Python's
+# lock, and a worker still freeing a collective whose tensors have Python objects needs that
+# lock: both wait for ever (seen beside a second suite: ~Reducer -> ~ProcessGroupGloo ->
+# thread::join on the main thread, ~AsyncAllreduceWork -> decref_pyobject on the worker).
+# PyTorch's Python handle to a group lets go of the lock while the group is destroyed, so
+# keeping one handle makes the last reference a Python one.
+_FINISHED_GROUPS: list = []
+
+
+def _keep_until_released():
+    if not _FINISHED_GROUPS:
+        import atexit
+        atexit.register(release_finished_groups)  # (registered here, not at import: a forked child clears them)
+    _FINISHED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+
+
+def release_finished_groups():
+    """After a run's objects are gone (main_guard calls this when main returns, tools/multirun
+    between runs, and at exit): collect what the run left in reference cycles, DDP's Reducer
+    among it, then drop the groups' last references, without the lock."""
+    if _FINISHED_GROUPS:
+        import gc
+        gc.collect()
+        _FINISHED_GROUPS.clear()
 
 
 def distributed_for(args, **kwargs):

@@ -135,13 +135,18 @@ def main_guard(fn):
         main = threading.current_thread() is threading.main_thread()
         before = signal.signal(signal.SIGINT, _on_ctrl_c) if main else None
         try:
-            return _guarded(fn, args, kwargs)
+            result = _guarded(fn, args, kwargs)
         except KeyboardInterrupt:  # raised in fn, or while one of _guarded's handlers reported
             _say_interrupted()
             sys.exit(EXIT_INTERRUPTED)
         finally:
             if main and before is not None:  # (None: a handler not set from Python, which cannot be put back)
                 signal.signal(signal.SIGINT, before)
+        # fn's frame is gone, and with it what held the run's process groups (after an error,
+        # a traceback may still hold it: those groups are released at exit).
+        if (distributed := sys.modules.get("common.distributed")) is not None:
+            distributed.release_finished_groups()
+        return result
 
     return wrapper
 

@@ -10,7 +10,7 @@ import torch
 from common.distributed import NAME_THE_DEVICE, resolve_device
 from common.errors import UserError
 import launch
-from conftest import ROOT
+from conftest import ROOT, hang_limit
 
 DRIVER = str(ROOT / "tests" / "drivers" / "dist.py")
 
@@ -123,6 +123,19 @@ def test_plain_python_is_world_size_one(tmp_path):
     assert r.returncode == 0, r.stderr
     got = json.loads((tmp_path / "r.0.json").read_text())
     assert got["world"] == 1 and not got["launched"] and got["sum"] == 0
+
+
+def test_a_run_ends_while_a_gloo_worker_still_frees_a_collective():
+    """The run's end must not deadlock in PyTorch's teardown: DDP's Reducer, freed with the
+    model, used to drop the last reference to its gloo group while holding Python's lock, and
+    the group's destructor waited for a worker that was freeing a collective's tensor and
+    needed that lock (seen beside a second suite; the driver makes the race certain: without
+    common/distributed.py's release_finished_groups this launch hangs, the main thread in
+    ~Reducer -> ~ProcessGroupGloo, the worker in decref_pyobject)."""
+    r = launch.run([sys.executable, DRIVER, "teardown_race"], cwd=ROOT, capture_output=True, text=True,
+                   timeout=hang_limit(60))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["left the worker freeing", "main returned"]
 
 
 def test_torchrun_ranks_meshes_and_misuse(tmp_path):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent  # run as a script: common/ is not on the path yet
 sys.path.insert(0, str(ROOT))
 
+from common.distributed import release_finished_groups  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
 from common.measure.memory import collect_between_runs  # noqa: E402
 _state = {"count": 0, "store": None}
@@ -72,6 +73,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
         # collector frozen (common/measure/memory.py's StepCollector) and its objects to a
         # collection; on a GPU the next run's allocator counters would start with them.
         collect_between_runs()
+        release_finished_groups()  # (main_guard's already, unless the script's main has none)
     return code, err.getvalue()
 
 

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -11,6 +12,29 @@ import torch.distributed as dist
 
 from common.distributed import distributed
 from common.errors import UserError, main_guard
+
+
+class SlowToFree(torch.Tensor):
+    """A tensor whose Python object takes Python's lock for a while when it is freed: it frees
+    on the thread that drops it last, and sleeps (letting go of the lock) in between."""
+    freed_on = []
+
+    def __del__(self):
+        SlowToFree.freed_on.append(threading.current_thread() is threading.main_thread())
+        time.sleep(3)
+
+
+def leave_a_worker_freeing(group):
+    """A collective on ``group`` whose tensor its gloo worker drops last: the worker is then
+    inside SlowToFree.__del__ (holding the group's work lock, and soon wanting Python's)."""
+    for _ in range(20):
+        before = len(SlowToFree.freed_on)
+        dist.all_reduce(torch.Tensor._make_subclass(SlowToFree, torch.ones(4)), group=group, async_op=True)
+        while len(SlowToFree.freed_on) == before:
+            time.sleep(0.01)
+        if not SlowToFree.freed_on[-1]:
+            return
+    raise AssertionError("the worker never freed the tensor last")
 
 
 @main_guard
@@ -26,6 +50,15 @@ def main(mode, out):
             with open(f"{out}.{ctx.rank}.json", "w") as f:
                 json.dump(result, f)
             ctx.print("only rank 0 prints this")
+        elif mode == "teardown_race":
+            # DDP on a group of its own: the run's end drains the default group and the meshes'
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            group = dist.new_group()
+            model = DDP(torch.nn.Linear(4, 4), process_group=group)
+            model(torch.ones(2, 4)).sum().backward()
+            leave_a_worker_freeing(group)
+            del group
+            print("left the worker freeing", flush=True)
         elif mode == "bad_mesh":
             ctx.mesh((3, 3), ("dp", "tp"))
         elif mode == "hang":
@@ -40,3 +73,5 @@ def main(mode, out):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    if sys.argv[1] == "teardown_race":
+        print("main returned", flush=True)
