@@ -204,6 +204,12 @@ VALUES = {
     "gpu.trace-cost": lambda: _grab("gpu-check", r"against a run without it: ([\d.]+x)"),
     "gpu.failed": lambda: (lambda runs: f"{sum(not r['ok'] for r in runs)} of its {len(runs)} runs")(
         _gpu_report()["runs"]),
+    # step 2: the H200's checkpointed 1b rows, whose allocator held earlier runs' model state too
+    "gpu.1b-ac-allocated": lambda: f"{_gpu_run('1b_amp_ac')['allocator_peak_bytes'] / GiB:.1f} GiB",
+    "gpu.1b-ac-traced": lambda: f"{_gpu_run('1b_amp_ac')['traced_peak_bytes'] / GiB:.1f}",
+    "gpu.1b-sac-gap": lambda: f"{_gap('1b_amp_sac') / GiB:.3f} GiB",
+    "gpu.1b-params": lambda: f"{_n_1b():,}",
+    "gpu.1b-sac-rest": lambda: f"{(_gap('1b_amp_sac') - 12 * _n_1b()) / GiB:.3f} GiB",
     "gpu.failed-names": lambda: ", ".join(f"`{r['name']}`" for r in _gpu_report()["runs"] if not r["ok"]),
     "slurm.shutdown-timeout": lambda: _slurm(r"--shutdown-timeout (\d+)"),
     "slurm.warning": lambda: _slurm(r"--signal=B:USR1@(\d+)"),
@@ -247,6 +253,14 @@ VALUES = {
     "02.all.params": lambda: _s2("all", "parameters", "{:.1f} MiB"),
     "02.all.grads": lambda: _s2("all", "gradients", "{:.1f} MiB"),
     "02.all.adamw": lambda: _s2("all", "optimizer state", "{:.0f} MiB"),
+    # step 2: float8 beside AMP (table-02-float8)
+    "f8.gap": lambda: _cell("table-02-float8", "float8 + bf16", "largest loss gap to bf16"),
+    "f8.act-under": lambda: f"{_f8_act('AMP bf16') - _f8_act('float8 + bf16'):.0f} MiB",
+    "f8.peak-over": lambda: "{:.1%}".format(_num(_cell("table-02-float8", "float8 + bf16", "peak"))
+                                            / _num(_cell("table-02-float8", "AMP bf16", "peak")) - 1),
+    "f8.overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("float8 + bf16") - 1),
+    "f8.predicted": lambda: f"{_f8_predicted():.1f}",
+    "f8.act": lambda: f"{_f8_act('float8 + bf16'):.1f} MiB",
     # step 3a: the ZeRO runs
     "table-03a.zero3-peak": lambda: f"{_num(_cell('table-03a', 'FSDP ZeRO-3', 'peak per rank')):.0f}",
     "table-03a.bf16-ac-peak": lambda: f"{_num(_cell('table-03a', 'FSDP ZeRO-3, bf16', 'peak per rank')):.0f}",
@@ -260,11 +274,18 @@ VALUES = {
     "est-8b.usable": lambda: "{:.2f}".format(_num(_grab("est-8b", r"fits = peak <= ([\d.]+) GiB"))),
     "est-8b.ddp-state": lambda: _gib(sum(_num(_cell("est-8b", "ddp on 4", c))
                                          for c in ("parameters", "gradients", "AdamW state")), 0),
+    "est-8b.single-peak": lambda: _gib(_num(_cell("est-8b", "single device", "peak"))),
+    "est-8b.single-temporaries": lambda: _gib(_num(_cell("est-8b", "single device", "peak"))
+                                              - sum(_num(_cell("est-8b", "single device", c))
+                                                    for c in ("parameters", "gradients", "AdamW state")), 0),
     "est-8b.zero1-adamw": lambda: _gib(_num(_cell("est-8b", "zero1 on 4", "AdamW state")), 0),
     "est-8b.zero3-peak": lambda: _gib(_num(_cell("est-8b", "fsdp_zero3 on 4", "peak"))),
     "est-8b.zero3-spare": lambda: _gib(_num(_grab("est-8b", r"fits = peak <= ([\d.]+) GiB"))
                                        - _num(_cell("est-8b", "fsdp_zero3 on 4", "peak")), 0),
     "est-8b-ac.zero1-peak": lambda: _gib(_num(_cell("est-8b-ac", "zero1 on 4", "peak"))),
+    # context_parallel.md: the 1b model's activations against its model state (est-cp's first answer)
+    "est-cp.single-act": lambda: _gib(_est("est-cp", "activations")),
+    "est-cp.single-state": lambda: _gib(sum(_est("est-cp", c) for c in ("parameters", "gradients", "optimizer state"))),
     # the 1b model on one GPU, at the batch the GPU runs measured
     "est-1b.batch": lambda: _grab("est-1b", r"batch (\d+ x \d+) tokens"),
     "est-1b.peak": lambda: _gib(_est("est-1b", "peak (")),
@@ -369,6 +390,9 @@ VALUES = {
     "tt.recompute-eager": lambda: _grab("plan-torchtitan", r"\| Table 1: FSDP, eager \|.*recompute ([\d,]*\d)") + " ms",
     "tt.memory-8": lambda: _pct_under(_cell("plan-torchtitan", _TT8, 9)),
     "tt.memory-128": lambda: _pct_under(_cell("plan-torchtitan", _TT128, 9)),
+    "tt.cp-under": lambda: _range_pct([_pct_under(_cell("plan-torchtitan", f"Table 2: FSDP {8 // cp}, CP {cp}", 9))
+                                       for cp in (1, 2, 4, 8)]),
+    "tt.peak-eager-reserved": lambda: f"{_num(_tt(_TT8, 'ours (peak)')) * _dry8b('reserved') / _dry8b('allocated'):.1f} GiB",
     "tt.cp8-theirs": lambda: _tt("Table 2: FSDP 1, CP 8", "tokens/s/GPU theirs"),
     "tt.cp8-ours": lambda: _tt("Table 2: FSDP 1, CP 8", "ours"),
     "tt.tp-ratio": lambda: _tt(_TP, "ours/theirs") + "x",
@@ -385,6 +409,35 @@ VALUES = {
     "gpu.mfu-1b-compile": lambda: f"{_gpu_run('1b_amp_compile')['mfu']:.1%}",
     "gpu.mfu-1b-fp32": lambda: f"{_gpu_run('1b_fp32')['mfu']:.1%}",
 }
+
+
+GiB = 2**30
+
+
+def _gap(run: str) -> int:
+    """What the GPU's allocator held beyond the trace in the H200 report's row ``run``, in bytes."""
+    r = _gpu_run(run)
+    return r["allocator_peak_bytes"] - r["traced_peak_bytes"]
+
+
+def _n_1b() -> int:
+    from common.model import count_params, get_config
+    return count_params(get_config("1b"))
+
+
+def _f8_act(row: str) -> float:
+    """table-02-float8's measured activations (MiB) of ``row``."""
+    return _num(_cell("table-02-float8", row, "activations (predicted for bf16)"))
+
+
+def _f8_predicted() -> float:
+    return _num(_cell("table-02-float8", "float8 + bf16", "activations (predicted for bf16)").split("(")[1])
+
+
+def _range_pct(cells: list[str]) -> str:
+    """['17%', '33%', '33%', '34%'] -> '17-34%' (one value alone: '17%')."""
+    xs = sorted({int(_num(c)) for c in cells})
+    return f"{xs[0]}%" if len(xs) == 1 else f"{xs[0]}-{xs[-1]}%"
 
 
 # table-02's rows, by a short name
@@ -441,6 +494,116 @@ def _fsdp_comm_ms(name: str) -> float:
     first = _text(name).split("what each costs", 1)[1].split("\n2. ", 1)[0]
     return sum(float(ms) for ms in re.findall(r"(?:all_gather|reduce_scatter) over .*?: ([\d.]+) ms", first))
 
+
+
+# ---- the plan-bench run, table-05, bench-ckpt, the chaos soak, the GPU report's trace gaps, test times
+def _rows(name: str) -> list[dict[str, str]]:
+    """Every row of the markdown table in block ``name``, as {header: cell}."""
+    lines = [[c.strip() for c in line.strip().strip("|").split("|")]
+             for line in _text(name).splitlines() if line.startswith("|")]
+    return [dict(zip(lines[0], cells)) for cells in lines[2:]]
+
+
+def _span(values, fmt: str = "{:.2f}", unit: str = "") -> str:
+    """'0.95-1.17' (the least and the most of ``values``), or the one value where they agree."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return (lo if lo == hi else f"{lo}-{hi}") + unit
+
+
+def _pb(layout: str | None = None, ranks: int | None = None, tp: bool | None = None) -> list[dict[str, str]]:
+    """plan-bench's rows: of one layout (its first cell starts so), at one rank count, with or
+    without tensor parallelism (tp or 2-D)."""
+    return [r for r in _rows("plan-bench")
+            if (layout is None or r["layout"].startswith(layout)) and (ranks is None or int(r["ranks"]) == ranks)
+            and (tp is None or r["layout"].startswith(("tp", "2d")) == tp)]
+
+
+def _pb_one(layout: str, ranks: int, column: str) -> float:
+    (row,) = _pb(layout, ranks)
+    return _num(row[column])
+
+
+def _pb_ratios(rows: list[dict[str, str]]) -> str:
+    return _span([_num(r["measured / predicted"]) for r in rows])
+
+
+_PB_RATE = "block GFLOP/s at its shape (tp, sequences)"
+
+
+def _pb_rates(split: bool) -> str:
+    """The calibrated block's GFLOP/s over the rows whose shape is split by TP (tp > 1) or not."""
+    return _span([_num(r[_PB_RATE]) for r in _rows("plan-bench")
+                  if (int(re.search(r"tp=(\d+)", r[_PB_RATE]).group(1)) > 1) == split], "{:.0f}")
+
+
+def _pb_zero1_extra() -> str:
+    """What ZeRO-1's broadcast adds to DDP's exposed communication, at each rank count."""
+    counts = sorted({int(r["ranks"]) for r in _pb("zero1")})
+    return _span([_pb_one("zero1", n, "exposed communication") - _pb_one("ddp", n, "exposed communication")
+                  for n in counts], "{:.0f}", " ms")
+
+
+def _chaos_repeats() -> list[int]:
+    """The chaos soak's kills that resumed at one step, the largest such group."""
+    groups: dict[str, list[int]] = {}
+    for r in _rows("chaos-soak"):
+        groups.setdefault(r["resumed at step"], []).append(int(r["kill"]))
+    best = max(groups.values(), key=len)
+    if len(best) < 2:
+        raise LookupError("the block chaos-soak has no two kills that resumed at the same step")
+    return best
+
+
+def _chaos_after_last() -> dict[str, str]:
+    return next(r for r in _rows("chaos-soak") if r["during"] == "after the last checkpoint")
+
+
+# the runs of the one-GPU check that held their own memory only (step 1, step 2 without
+# checkpointing, DDP, ZeRO-1): how far their traced peak is under the allocator's
+_OWN_MEMORY_RUNS = ("01_baseline", "02_amp", "1b_fp32", "1b_amp", "03_ddp", "03_zero1")
+
+
+def _test_seconds(path: str) -> str:
+    """The README's test-times table: a test file's seconds in the last full run."""
+    return f"{_num(_cell('test-times', path, 'seconds')):.1f} s"
+
+
+VALUES.update({
+    # will_it_fit.md: the step-time model against the real scripts (plan-bench)
+    "plan-bench.within": lambda: _grab("plan-bench", r"within 25%: (\d+ of \d+)"),
+    "plan-bench.spearman": lambda: _grab("plan-bench", r"Spearman rank correlation of the orders: (-?[\d.]+)"),
+    "plan-bench.4rank-ratios": lambda: _pb_ratios(_pb(ranks=4)),
+    "plan-bench.fsdp4-ratio": lambda: _pb_ratios(_pb("fsdp", 4)),
+    "plan-bench.pp4-bubble": lambda: f"{_pb_one('pp', 4, 'bubble'):.0f} ms",
+    "plan-bench.pp4-predicted": lambda: f"{_pb_one('pp', 4, 'predicted ms'):,.0f} ms",
+    "plan-bench.pp4-measured": lambda: f"{_pb_one('pp', 4, 'measured ms'):,.0f} ms",
+    "plan-bench.pp2-ratio": lambda: _pb_ratios(_pb("pp", 2)),
+    "plan-bench.tp-ratios": lambda: _pb_ratios(_pb(tp=True)),
+    "plan-bench.tp4-ratios": lambda: _pb_ratios(_pb(ranks=4, tp=True)),
+    "plan-bench.split-gflops": lambda: _pb_rates(split=True),
+    "plan-bench.full-gflops": lambda: _pb_rates(split=False),
+    "plan-bench.dtensor-ms": lambda: _span([float(x) for x in re.findall(r"DTensor ([\d.]+) ms a block",
+                                                                          _text("plan-bench"))], "{:.1f}", " ms"),
+    "plan-bench.zero1-extra": _pb_zero1_extra,
+    "plan-bench.zero1-ratios": lambda: _pb_ratios(_pb("zero1")),
+    "plan-bench.after-before": lambda: _span([float(x) for x in re.findall(r"after/before ([\d.]+)",
+                                                                           _text("plan-bench"))]),
+    # step 4: the checkpoint's bytes over 12N (table-05), the async copy (bench-ckpt), the chaos soak
+    "table-05.over-12n": lambda: _span([(float(x) - 1) * 100 for x in re.findall(r"\(([\d.]+)x\)", _text("table-05"))],
+                                       "{:.0f}", "%"),
+    "table-05.12n": lambda: f"{_num(_cell('table-05', 'ddp', '12N (4N weights + 8N AdamW)')):.1f} MiB",
+    "bench-ckpt.host-copy": lambda: _grab("bench-ckpt", r"the host copy held ([\d.]+ GiB)"),
+    "chaos.repeat-kills": lambda: (lambda k: f"{k[0]}-{k[-1]}" if k == list(range(k[0], k[-1] + 1)) and len(k) > 2
+                                   else ", ".join(map(str, k[:-1])) + f" and {k[-1]}")(_chaos_repeats()),
+    "chaos.last-kill": lambda: _chaos_after_last()["kill"],
+    "chaos.last-resume": lambda: _chaos_after_last()["resumed at step"],
+    # the one-GPU check: the traced peak under the allocator's, for the runs that held their own memory only
+    "gpu.trace-under-allocator": lambda: _span([(1 - _gpu_run(n)["traced_peak_bytes"] / _gpu_run(n)["allocator_peak_bytes"])
+                                                * 100 for n in _OWN_MEMORY_RUNS], "{:.1f}", "%"),
+    # the README's test-times table: a test file's time in the last full run
+    "test-times.ep": lambda: _test_seconds("tests/test_ep.py"),
+    "test-times.model-parallel": lambda: _test_seconds("tests/test_model_parallel.py"),
+})
 
 def fill(text: str) -> str:
     """``text`` with every <!-- v:NAME --> value rendered from its source now."""

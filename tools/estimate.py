@@ -700,7 +700,8 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
           f"{pn.batch} x {p0.seq_len} tokens on {pn.world} GPUs ({p0.batch} on one), each {gpu_text(gpu_mem)}, "
           f"{p0.dtype}, AC {p0.ac}; "
           f"{UNIT[1]} per GPU on the fullest rank; fits = peak <= {memory_text(gpu_mem, headroom)}")
-    head = "| strategy | parameters | gradients | AdamW state | activations | transient | peak | fits | sent/step/rank |"
+    head = ("| strategy | parameters | gradients | AdamW state | activations | transient | peak | peak at | fits | "
+            "sent/step/rank |")
     if traced:
         head += " traced peak |"
     print(head)
@@ -709,7 +710,7 @@ def print_table(ps: list[Plan], gpu_mem: float, headroom: float, traced: dict):
         e = worst_rank(p)
         sent = sum(v for k, v in e["comm"].items() if k != "recv")
         line = (f"| {label(p)} | {gib(e['parameters'])} | {gib(e['gradients'])} | {gib(e['optimizer state'])} | "
-                f"{gib(e['activations'])} | {gib(sum(e['transient'].values()))} | {gib(e['peak'])} | "
+                f"{gib(e['activations'])} | {gib(sum(e['transient'].values()))} | {gib(e['peak'])} | {e['peak_at']} | "
                 f"{'yes' if e['peak'] <= usable_bytes(gpu_mem, headroom) else 'no'} | {fmt_bytes(sent)} |")
         if traced:
             t = traced.get(id(p))
