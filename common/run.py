@@ -2,11 +2,14 @@
 
     run = Run(args, ctx, model, optimizer, scheduler, data, strategy="ddp", title="DDP",
               evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
-    for step in run.steps():          # a progress bar; starts after the checkpoint with --resume
+    run.resume()                      # --resume: the newest checkpoint's state; the step to start at
+    for step in run.steps():          # a progress bar, from that step
         with run.step(step):          # memory trace and communication count of this step
             ...forward, backward, optimizer.step()...
-        run.log(step, loss)           # metrics.jsonl (one step late), LR schedule, NaN check, checkpoint;
-                                      # the held-out loss every --eval-every steps
+        run.log(step, loss)           # metrics.jsonl (one step late), the NaN check
+        scheduler.step()              # the next step's learning rate
+        run.evaluate_if_due(step)     # the held-out loss every --eval-every steps and after the last
+        run.save_if_due(step)         # --ckpt-every; a stop signal: every rank saves this step, then stops
     run.finish()                      # validation loss, figure, summary.json, predicted vs measured, bytes
 
 What it drives, each living in its own module:
@@ -82,6 +85,17 @@ class Run:
         self.data, self._waited = data, None  # the loader's wait_s, read around each step
         self.ckpt = Checkpointer(args, ctx, [(part, ckpt_optimizer or optimizer)], scheduler, data,
                                  parallel=self.parallel, can_save=checkpoints)
+        self._setup = (part, optimizer, fsdp, sources, dtype)
+        self.start, self._saved_up_to = None, None
+
+    def resume(self) -> int:
+        """With --resume, load the newest checkpoint of --out (the model, the optimizer, the
+        LR schedule, where the data was) and return the step after it; else 0. Then set up what
+        depends on where the run starts: the stop signals, the memory tracer, the counters."""
+        if self.start is not None:
+            raise RuntimeError("run.resume() is called once, before run.steps()")
+        args, ctx = self.args, self.ctx
+        (part, optimizer, fsdp, sources, dtype), self._setup = self._setup, None
         self.start = self.ckpt.resume()  # 0, or the step after the newest checkpoint with --resume
         # A checkpoint's optimizer brings its parameter groups, and with them the kernels it ran
         # (fused or foreach): what runs now may not be what the flags asked for.
@@ -110,9 +124,13 @@ class Run:
         # Reference cycles freed before every step, not whenever Python's collector happens to
         # run: what one step leaves in a cycle (tensors too) never reaches the next step's peak.
         self.gc = StepCollector()
+        return self.start
 
     def steps(self):
         """The step numbers still to run, with the progress bar (rank 0)."""
+        if self.start is None:
+            raise RuntimeError("call run.resume() before run.steps(): it decides the first step")
+        self._saved_up_to = self.start - 1
         return self.metrics.progress(self.start)
 
     def counts_comm(self, step: int) -> bool:
@@ -149,6 +167,8 @@ class Run:
     @contextlib.contextmanager
     def step(self, step: int):
         """Trace the step's memory and count its bytes, if it is one of the steps for that."""
+        if self._saved_up_to != step - 1:
+            raise RuntimeError(f"step {step} began before run.save_if_due({step - 1}): call it after every step")
         self.gc.collect()  # before the tracer starts: the traced step, too, begins with nothing left over
         count = self.counts_comm(step)
         self.comm_steps += count
@@ -161,25 +181,35 @@ class Run:
 
     def log(self, step: int, loss, **extra):
         """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank;
-        tensors (loss, grad_norm) stay on the device: Metrics reads them one step late."""
+        tensors (loss, grad_norm) stay on the device: Metrics reads them one step late. Then
+        the NaN check (--on-nan) of the steps whose numbers that made known."""
         # Traced and counted steps run under a dispatch mode, profiled ones under the
         # profiler: all left out of the throughput.
         if self._waited is not None:
             extra["data_wait_s"] = self._waited
-        rows = self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
-                                or (self.profile.enabled and step in self.profile.steps),
-                                now=self.ckpt.saves_at(step),
-                                evaluate=self._validate if self.evaluates(step) else None, **extra)
-        # A SIGTERM/SIGUSR1 seen by any rank up to the previous step (read after Metrics' copy
-        # of this step is queued, so that reading the vote waits for the previous step only)
+        self._check(self.metrics.log(step, loss, traced=self.tracer.will_record(step) or self.counts_comm(step)
+                                     or (self.profile.enabled and step in self.profile.steps),
+                                     now=self.ckpt.saves_at(step), hold=self.evaluates(step), **extra))
+
+    def evaluate_if_due(self, step: int):
+        """The held-out loss after this step, every --eval-every steps and after the last:
+        logged with this step, its time and memory counted in no step."""
+        if self.evaluates(step):
+            self._check(self.metrics.evaluated(step, self._validate))
+
+    def save_if_due(self, step: int):
+        """A checkpoint of this step with --ckpt-every; on a stop signal (SIGTERM/SIGUSR1 seen by
+        any rank up to the previous step: an all-reduce of every rank's vote), every rank saves
+        this step and the run stops (exit 75); --fail-at-step's planned failure."""
         stop = self.ckpt.stop_agreed()
         if stop:
-            rows += self.metrics.flush()  # this step's row too: it is the one being saved
-        if self.scheduler is not None:
-            self.scheduler.step()
-        for row in rows:  # the NaN check of the steps whose numbers are known now, then a checkpoint
+            self._check(self.metrics.flush())  # this step's row too: it is the one being saved
+        self.ckpt.end_step(step, stop)
+        self._saved_up_to = step
+
+    def _check(self, rows: list[dict]):
+        for row in rows:  # a step whose numbers are known: a checkpoint must not save a non-finite one
             self.ckpt.check_finite(row["step"], row["loss"], row.get("grad_norm"))
-        self.ckpt.end_step(step, stop)  # --ckpt-every, preemption, --fail-at-step
 
     def comm_by_rank(self) -> list[dict] | None:
         """Every rank's bytes per step by collective, on rank 0 (None elsewhere)."""

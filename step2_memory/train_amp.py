@@ -49,6 +49,7 @@ def main():
 
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="single", title="Step 2",
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -71,7 +72,9 @@ def main():
                 # activations. set_to_none (the default) frees; zeroing would keep them.
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, loss, grad_norm=grad_norm, loss_scale=scaler.get_scale())
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish()
 
 

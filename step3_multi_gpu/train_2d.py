@@ -76,6 +76,7 @@ def main():
                   title=f"2-D parallel, FSDP {dp} x TP {args.tp}", parallel={"dp": dp, "tp": args.tp},
                   predict=dict(tp=args.tp, sequence_parallel=args.sequence_parallel),
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device, loss_parallel))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -96,7 +97,9 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             # Each TP group's loss is the mean over its share of the batch; average over dp.
             run.log(step, global_loss(step_loss, mesh["dp"].get_group(), dp), grad_norm=grad_norm)
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(sequence_parallel=args.sequence_parallel)
 
 

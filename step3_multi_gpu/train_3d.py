@@ -60,8 +60,7 @@ def main():
         def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
             apply_tp(stage_model, mesh["tp"], loss_parallel=False)
             apply_ac(stage_model, args.ac, every=args.ac_every)
-            # Keep the gathered weights through the step: otherwise FSDP would gather them
-            # again for every micro-batch's forward and backward. bf16 gathers, fp32 shards.
+            # Gathered weights kept through the step (else gathered again for every micro-batch); bf16 gathers.
             apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False, param_dtype=args.amp_dtype)
             apply_compile(stage_model, args.compile)
 
@@ -78,13 +77,13 @@ def main():
         last, pp_group = last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group()  # the loss's stage
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
-        # the full model's names, so the checkpoint does not depend on the split.
+        # This rank's stages share one optimizer; their layers keep the full model's names (so does the checkpoint).
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
                   title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
                   parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages},
                   evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, last,
                                                      pp_group, mesh["dp"].get_group(), dp_rank, args.dp, stages=stages))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -100,7 +99,9 @@ def main():
             # The last stage's loss, shared along the pipeline, then averaged over the replicas.
             loss = global_loss(pipeline_loss(losses, last, ctx.device, pp_group), mesh["dp"].get_group(), args.dp)
             run.log(step, loss, grad_norm=grad_norm)
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages))
 

@@ -5,17 +5,16 @@ sequence; attention, the one place where tokens meet, passes keys and values aro
     torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --no-load-balance
     torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --dp 2 --fsdp
 
-What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W
-times longer fits in the same memory. What it costs: per block, each rank's keys and values
-travel around the ring once forward and once backward with their gradients, (W-1) + (W-1)
-+ W hops of one (batch x seq/W x kv width) block each, behind the attention's compute. The
-hand-written ring (common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the
-replicated weights are averaged over every rank by DDP, or, with --fsdp, the weights are
-sharded over every rank and FSDP's reduce-scatter sums them (--dp N: N data-parallel
-groups of world/N context-parallel ranks). Step 2's savers come along: bf16
-autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
-A dry run (python step3_multi_gpu/train_cp.py --fake-world-size 8 --fake-rank R) plays one
-rank alone: the ring's blocks have fixed sizes, so its memory and bytes are that rank's.
+What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W times longer
+fits in the same memory. What it costs: per block, each rank's keys and values travel around the
+ring once forward and once backward with their gradients, (W-1) + (W-1) + W hops of one (batch x
+seq/W x kv width) block each, behind the attention's compute. The hand-written ring
+(common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the replicated weights are
+averaged over every rank by DDP, or, with --fsdp, the weights are sharded over every rank and FSDP's
+reduce-scatter sums them (--dp N: N data-parallel groups of world/N context-parallel ranks). Step
+2's savers: bf16 autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
+A dry run (--fake-world-size 8 --fake-rank R) plays one rank alone: the ring's blocks have fixed
+sizes, so its memory and bytes are that rank's.
 """
 import contextlib
 import os
@@ -60,7 +59,6 @@ def main():
         # The ranks of a cp group read the same sequences (like TP) and each keeps its slice.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=mesh["dp"].get_local_rank(), dp_size=args.dp, seed=args.seed)
-
         with torch.device("meta"):
             model = Transformer(args.model_config)
         apply_cp(model, mesh["cp"], load_balance=args.load_balance)
@@ -79,13 +77,13 @@ def main():
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
                   parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp), title=cp_title(args, cp),
                   evaluate=lambda: cp_evaluate(model, corpus.val, args, ctx.device, ring))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
-                    x, y = next(batches)
-                    x, y = (local_tokens(t, ring, ctx.device) for t in (x, y))  # the (pinned) batch, then my positions
+                    x, y = (local_tokens(t, ring, ctx.device) for t in next(batches))  # to the device, then my positions
                     last = micro == args.grad_accum - 1  # reduce the gradients once per optimizer step
                     if args.fsdp:
                         model.set_requires_gradient_sync(last)
@@ -102,7 +100,9 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=args.fsdp)  # (DDP's gradients are views of its buckets)
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(load_balance=args.load_balance, fsdp=args.fsdp)
 
 

@@ -58,6 +58,7 @@ def main(argv=None):
                   title=f"DeepSpeed ZeRO-{args.zero_stage}", parallel={"dp": ctx.world_size},
                   sources=[zero_sources(engine)], checkpoints=False,  # SIGTERM: every rank stops, unsaved
                   evaluate=lambda: evaluate(engine, corpus.val, args, ctx.device))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         logger = comms_logger(deepspeed)  # DeepSpeed's own count of the bytes ours counts
         batches = iter(data)
         for step in run.steps():
@@ -71,7 +72,9 @@ def main(argv=None):
                 engine.step()  # clip, update this rank's partition, all-gather the parameters
             grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
             run.log(step, global_loss(loss, dp_size=ctx.world_size), grad_norm=grad_norm)
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(zero_stage=args.zero_stage, deepspeed_comms_logger=comms_logged(logger, run.comm_steps))
 
 

@@ -58,7 +58,6 @@ def main(argv=None):
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
-
         with torch.device("meta"):
             model = Transformer(args.model_config)
         set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
@@ -66,9 +65,8 @@ def main(argv=None):
         apply_ep(model, mesh, even_routing=ctx.fake)
         say_even_routing(ctx)
         apply_ac(model, args.ac, every=args.ac_every)
-        # The dense part is data parallel (FSDP over all the ranks); FSDP leaves the experts
-        # alone. With --ep below the world size each expert has copies, which average their
-        # gradients after backward (reduce_expert_grads; torchtitan shards them with FSDP).
+        # The dense part is data parallel (FSDP over all the ranks), the experts left out. With --ep below the
+        # world size each expert has copies, which average their gradients (reduce_expert_grads, below).
         apply_fsdp(model, ctx.mesh(), param_dtype=args.amp_dtype, ignored_params=expert_params(model))
         apply_compile(model, args.compile)
         model.to_empty(device=ctx.device)
@@ -78,6 +76,7 @@ def main(argv=None):
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="ep", predict=dict(ep=ep),
                   parallel={"dp": ctx.world_size, "ep": ep}, title=f"Expert parallel {ep} (dense part FSDP)",
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -97,12 +96,13 @@ def main(argv=None):
                 grad_norm = clip_grad_norm(model.parameters(), args.max_norm, local=args.clip_by == "local")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            # Logged apart: the language-model loss, comparable with a dense model's, and the
-            # router's (its mean over the ranks is the global batch's), with each layer's load.
+            # Logged apart: the language-model loss (a dense model's), the router's, each layer's load.
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm,
                     aux_loss=global_loss(aux_loss, dp_size=ctx.world_size),
                     tokens_per_expert=torch.stack([moe.tokens_per_expert for moe in moe_layers(model)]))
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish()
 
 

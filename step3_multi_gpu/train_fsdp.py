@@ -72,6 +72,7 @@ def main(argv=None):
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, **fsdp_run_labels(args, mesh),
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
@@ -90,7 +91,9 @@ def main(argv=None):
                 precompute_fsdp_scales(model, args.float8)  # the next gathers' float8 scales, in one all-reduce
                 optimizer.zero_grad(set_to_none=True)  # plain sharded tensors: freeing them saves 4N/W bytes
             run.log(step, global_loss(step_loss, dp_size=ctx.world_size), grad_norm=grad_norm)  # each rank saw its own data
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(**({"float8": float8} if float8 else {}))
 
 

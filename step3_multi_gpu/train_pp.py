@@ -16,9 +16,8 @@ interleaved 1F1B gives each rank two smaller stages, which shrinks the bubble fu
 The zero-bubble schedules (zbv, dualpipev) also give each rank two stages, in a V (rank 0
 holds the first and the last), and split each backward in two: the input's gradient, which
 the previous stage waits for, at once; the weights', which nobody waits for, in the gaps.
-Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac,
---compile, --fused-adamw. A pipeline already accumulates gradients over its micro-batches:
---microbatches is its --grad-accum.
+Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac, --compile,
+--fused-adamw. A pipeline already accumulates over its micro-batches: --microbatches is its --grad-accum.
 """
 import os
 import sys
@@ -59,9 +58,8 @@ def main():
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
 
-        # This rank's stages: one (gpipe, 1f1b), or two for the interleaved schedule (stages
-        # r and r + pp, so each micro-batch loops through the ranks twice) and for the V
-        # schedules (r and 2pp - 1 - r: down the ranks and back up).
+        # This rank's stages: one (gpipe, 1f1b), or two for the interleaved schedule (r and r + pp: each
+        # micro-batch loops through the ranks twice) and the V schedules (r and 2pp - 1 - r: down and back up).
         my_stages = stage_indices(ctx.rank, pp, args.schedule)
         n_stages = pp * len(my_stages)
         models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed) for s in my_stages]
@@ -79,12 +77,12 @@ def main():
         has_first, has_last, last = 0 in my_stages, n_stages - 1 in my_stages, last_stage_rank(pp, args.schedule)
         optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        # This rank's stages (two with interleaved1f1b) share one optimizer. Their layers keep
-        # the full model's names, so the checkpoint does not depend on the split.
+        # This rank's stages share one optimizer; their layers keep the full model's names (so does the checkpoint).
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy="pp", parallel={"pp": pp},
                   title=f"Pipeline parallel ({args.schedule}, {args.microbatches} micro-batches)",
                   predict=dict(microbatches=args.microbatches, schedule=args.schedule), evaluate=lambda:
                   pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, last, stages=stages))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
         timer = ComputeTimer(schedule, stages, ctx.device)  # the bubble: step time minus compute
         for step in run.steps():
@@ -100,7 +98,9 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             # The last stage's loss (on rank 0 in a V), broadcast: every rank logs the same.
             run.log(step, pipeline_loss(losses, last, ctx.device), grad_norm=grad_norm, **timer.take())
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         bubble = bubble_report(run.metrics, ctx, args.schedule, pp, args.microbatches, timer)
         run.finish(schedule=args.schedule, microbatches=args.microbatches,
                    stage_layers=stage_layers(args.model_config.n_layers, n_stages), bubble=bubble)

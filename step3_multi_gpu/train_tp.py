@@ -73,6 +73,7 @@ def main():
                   title="Tensor parallel" + (" + sequence parallel" if args.sequence_parallel else ""),
                   predict=dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device, loss_context))
+        run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
 
         for step in run.steps():
@@ -94,7 +95,9 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             run.log(step, step_loss, grad_norm=grad_norm)  # every rank saw the whole batch: no averaging
-
+            scheduler.step()  # the next step's learning rate
+            run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
+            run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
         run.finish(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
 
 

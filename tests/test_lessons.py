@@ -5,6 +5,8 @@
   import order matter and hides which module owns what).
 - every step-3 training script can be read in a few minutes: at most MAX_SCRIPT_LINES lines,
   its plumbing (flags, optional techniques, refusals, summary extras) living in common/.
+- every training script's loop shows each part of a step: run.resume() before it, and after the
+  optimizer step run.log, scheduler.step(), run.evaluate_if_due and run.save_if_due, each a line.
 - train_ddp.py and train_fsdp.py differ in what makes DDP into FSDP: at most
   MAX_DDP_FSDP_DIFF changed lines, the count of ``diff train_ddp.py train_fsdp.py | grep -c '^[<>]'``.
 - a chapter's figures live beside its scripts: its runs and what turns them into its figures
@@ -126,6 +128,35 @@ def test_every_step3_training_script_is_short_enough_to_read():
     assert len(scripts) >= 9, "the walk found the scripts"
     long = {p.name: n for p in scripts if (n := len(p.read_text().splitlines())) > MAX_SCRIPT_LINES}
     assert long == {}, f"over {MAX_SCRIPT_LINES} lines: move their plumbing into common/"
+
+
+# What a step does after its optimizer step, each a line of every training script's loop, in
+# this order: nothing of it hidden in run.log (common/run.py holds only the bookkeeping)
+STEP_END = ["run.log", "scheduler.step", "run.evaluate_if_due", "run.save_if_due"]
+
+
+def loop_calls(path) -> tuple[list[str], list[str]]:
+    """(the calls made before the script's ``for step in run.steps()`` loop, the calls its body
+    makes outside ``with run.step(step)``), as dotted names."""
+    def name(call):
+        f = call.func
+        return f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+    tree = ast.parse(path.read_text())
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and isinstance(n.iter, ast.Call)
+                and name(n.iter) == "run.steps")
+    before = [name(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno < loop.lineno]
+    after = [name(s.value) for s in loop.body if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)]
+    return before, after
+
+
+def test_every_part_of_a_step_is_a_line_of_the_loop():
+    scripts = [ROOT / "step1_single_gpu" / "train.py", *sorted((ROOT / "step2_memory").glob("train_*.py")),
+               *sorted(STEP3.glob("train_*.py"))]
+    assert len(scripts) >= 14, "the walk found the scripts"
+    for path in scripts:
+        before, after = loop_calls(path)
+        assert "run.resume" in before, f"{path.name}: run.resume() before the loop (where --resume loads)"
+        assert [c for c in after if c in STEP_END] == STEP_END, f"{path.name}: the loop ends {after}, not {STEP_END}"
 
 
 def test_the_ddp_to_fsdp_diff_is_the_lesson():

@@ -185,7 +185,7 @@ class Metrics:
         return event
 
     def log(self, step: int, loss: torch.Tensor | float, traced: bool = False, now: bool = False,
-            evaluate=None, **extra) -> list[dict]:
+            hold: bool = False, **extra) -> list[dict]:
         """Record one optimizer step (call it before the LR scheduler steps); return the rows
         that became known, in step order.
 
@@ -197,10 +197,8 @@ class Metrics:
         step's numbers as well (a checkpoint must not save a step whose loss is not finite);
         the last step's are always read at once.
 
-        ``evaluate``: a callable giving the held-out loss, logged as this step's ``val_loss``.
-        It runs after this step's end is taken and before the next step's clock starts, and
-        the peak memory is reset after it: its time and memory count in no step. It reads
-        its loss on the host anyway, so this step's numbers are read at once too."""
+        ``hold``: an evaluation follows (``evaluated``): this step's row waits for its
+        ``val_loss`` and is written there."""
         tensors = {k: v for k, v in {"loss": loss, **extra}.items() if isinstance(v, torch.Tensor)}
         copy = HostCopy(tensors, self.ctx.device)
         # Where this step's work ends: the event after it, or on a CPU, which has done the work, now
@@ -211,23 +209,35 @@ class Metrics:
         row = {"step": step, "loss": None if "loss" in tensors else float(loss), "lr": lr, "step_time_s": None,
                "tokens_per_s": None, "peak_mem_bytes": mem, "peak_mem_source": mem_source, "traced": traced,
                **{k: None if k in tensors else v for k, v in extra.items()}}
-        if evaluate is not None:
-            val = evaluate()
-            if val is not None:
-                row["val_loss"] = val
-                self.last_val = (step, val)
-            resume = self._now()
         done = [self._write(*self._pending)] if self._pending else []
         self._pending = (row, copy, end)
-        if now or evaluate is not None or step == self.args.steps - 1:
+        if (now or step == self.args.steps - 1) and not hold:
             done.append(self._write(row, copy, end))
             self._pending = None
-        if evaluate is not None:
-            self._t = resume  # the next step starts after the evaluation
+        self._reset_peak()
+        return done
+
+    def evaluated(self, step: int, evaluate) -> list[dict]:
+        """After ``log(step, hold=True)``: ``evaluate()``, the held-out loss, is this step's
+        ``val_loss``. It runs after this step's end was taken and before the next step's clock
+        starts, and the peak memory is reset after it: its time and memory count in no step.
+        It reads its loss on the host anyway, so this step's numbers are read at once too."""
+        row, copy, end = self._pending
+        val = evaluate()
+        if val is not None:
+            row["val_loss"] = val
+            self.last_val = (step, val)
+        resume = self._now()
+        done = [self._write(row, copy, end)]
+        self._pending = None
+        self._t = resume  # the next step starts after the evaluation
+        self._reset_peak()
+        return done
+
+    def _reset_peak(self):
         # CUDA path: no CPU test: the CUDA allocator's peak statistics exist only with a GPU
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        return done
 
     def _write(self, row: dict, copy: HostCopy, end) -> dict:
         """A step's row, once its numbers have reached the host: metrics.jsonl, the bar."""
