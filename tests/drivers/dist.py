@@ -16,7 +16,8 @@ from common.errors import UserError, main_guard
 
 class SlowToFree(torch.Tensor):
     """A tensor whose Python object takes Python's lock for a while when it is freed: it frees
-    on the thread that drops it last, and sleeps (letting go of the lock) in between."""
+    on the thread that drops it last, and sleeps (letting go of the lock) in between. The
+    group's destructor waits for it."""
     freed_on = []
 
     def __del__(self):
@@ -24,17 +25,17 @@ class SlowToFree(torch.Tensor):
         time.sleep(3)
 
 
-def leave_a_worker_freeing(group):
-    """A collective on ``group`` whose tensor its gloo worker drops last: the worker is then
-    inside SlowToFree.__del__ (holding the group's work lock, and soon wanting Python's)."""
-    for _ in range(20):
-        before = len(SlowToFree.freed_on)
+def leave_a_worker_freeing(group, rank):
+    """A collective on ``group`` whose tensor rank 0's gloo worker drops last: rank 1 joins it
+    only once rank 0 has let go of the tensor, so the worker frees it after the collective, in
+    SlowToFree.__del__ (holding the group's work lock, and soon wanting Python's)."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
         dist.all_reduce(torch.Tensor._make_subclass(SlowToFree, torch.ones(4)), group=group, async_op=True)
-        while len(SlowToFree.freed_on) == before:
-            time.sleep(0.01)
-        if not SlowToFree.freed_on[-1]:
-            return
-    raise AssertionError("the worker never freed the tensor last")
+        store.set("teardown_race", "let go")  # only the collective's work holds the tensor now
+    else:
+        store.wait(["teardown_race"])
+        dist.all_reduce(torch.ones(4), group=group)
 
 
 @main_guard
@@ -56,9 +57,8 @@ def main(mode, out):
             group = dist.new_group()
             model = DDP(torch.nn.Linear(4, 4), process_group=group)
             model(torch.ones(2, 4)).sum().backward()
-            leave_a_worker_freeing(group)
+            leave_a_worker_freeing(group, ctx.rank)
             del group
-            print("left the worker freeing", flush=True)
         elif mode == "bad_mesh":
             ctx.mesh((3, 3), ("dp", "tp"))
         elif mode == "hang":
@@ -73,5 +73,6 @@ def main(mode, out):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
-    if sys.argv[1] == "teardown_race":
-        print("main returned", flush=True)
+    if sys.argv[1] == "teardown_race" and int(os.environ["RANK"]) == 0:
+        print(f"main returned; the slow tensor was freed on {['a gloo worker', 'the main thread'][SlowToFree.freed_on[0]]}"
+              if SlowToFree.freed_on else "main returned; the slow tensor was not freed", flush=True)
