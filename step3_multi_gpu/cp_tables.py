@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from common import ROOT
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from common.measure.theory import Plan, predict
 from common.model import get_config
 

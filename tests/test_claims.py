@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.measure import theory
+from common.measure import formulas, splits, theory
 from common.measure.comm import RING_FACTOR
 from tools.estimate import trace
 from common.model import get_config
@@ -112,9 +112,9 @@ def test_checkpoint_wrapper_renames_parameters_but_not_state_dict_keys():
 
 
 def _sent(strategy: str, cfg, world: int, broadcast_factor) -> tuple[int, float]:
-    """(logical, on-the-wire) bytes a rank sends per step: common/measure/theory.py's counts, and
+    """(logical, on-the-wire) bytes a rank sends per step: common/measure/formulas.py's counts, and
     common/measure/comm.py's ring factors (a broadcast as given: each rank is root for 1/W)."""
-    logical = theory.comm_bytes(strategy, cfg, world)
+    logical = formulas.comm_bytes(strategy, cfg, world)
     factors = dict(RING_FACTOR, broadcast=broadcast_factor)
     return sum(logical.values()), sum(v * factors[k.split(" (")[0]](world) for k, v in logical.items())
 
@@ -146,7 +146,7 @@ def test_zero_savings_depend_on_what_a_parameter_holds():
     bytes) ZeRO-1 saves under 2x however many ranks; with the paper's 2 + 2 + 12 it nears 4x."""
     cfg = get_config("small")
     for w in (4, 64, 1024):
-        ddp, z1 = (sum(theory.model_state(s, cfg, w).values()) for s in ("ddp", "zero1"))
+        ddp, z1 = (sum(formulas.model_state(s, cfg, w).values()) for s in ("ddp", "zero1"))
         paper = 16 / (2 + 2 + 12 / w)
         print(f"W={w}: ZeRO-1 saves {ddp / z1:.2f}x here, {paper:.2f}x with the paper's bytes")
         assert ddp / z1 < 2 and (w < 64 or paper > 3.7)
@@ -172,7 +172,7 @@ def test_a_128k_vocabulary_output_layer_in_transformer_layers():
     2.4 of the 8B's transformer layers and 4.3 of the 1B's."""
     got = {}
     for name in ("8b", "1b"):
-        shapes = theory.param_shapes(get_config(name, vocab_size=128256))
+        shapes = splits.param_shapes(get_config(name, vocab_size=128256))
         layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers.0."))
         got[name] = math.prod(shapes["output.weight"]) / layer
     print({k: f"{v:.2f} layers" for k, v in got.items()})
@@ -227,7 +227,7 @@ def test_deepspeed_persistence_threshold_leaves_the_mlp_sharded():
     """deepspeed.md: ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5
     elements by default) whole on every rank. In `small` the twelve MLP matrices (w1, w2, w3
     of 4 blocks, 196,608 elements each, 72% of the parameters) are above it and sharded."""
-    shapes = theory.param_shapes(get_config("small"))
+    shapes = splits.param_shapes(get_config("small"))
     sizes = {k: math.prod(s) for k, s in shapes.items()}
     big = {k: n for k, n in sizes.items() if n >= 1e5}
     share = sum(big.values()) / sum(sizes.values())

@@ -6,7 +6,7 @@ Two torchrun jobs (2 and 4 ranks, tests/drivers/cp.py), started together once pe
 - parity: every step's loss and gradient norm, and the final weights, match the
   single-process step 1 loop on the same global batch (fp32); bf16 against one device's bf16;
 - bytes: the ring's sends and receives, the gradients' all-reduce and the loss's, per step,
-  equal theory.cp_bytes_per_step (activation checkpointing and accumulation included);
+  equal formulas.cp_bytes_per_step (activation checkpointing and accumulation included);
 - memory: each rank's traced activations are theory's (activations of seq/cp tokens) and
   fall with the degree;
 - bad input: one sentence on every rank and exit code 2.
@@ -22,7 +22,8 @@ import pytest
 
 from common import ROOT
 from common.model import count_params, get_config
-from common.measure.theory import Plan, cp_bytes_per_step, predict
+from common.measure.formulas import cp_bytes_per_step
+from common.measure.theory import Plan, predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
 import launch

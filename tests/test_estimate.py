@@ -1,12 +1,13 @@
-"""common/measure/theory.py and tools/estimate.py: the formulas by hand, against the memory tracer
-(on real CPU tensors and under FakeTensorMode with a fake process group), and bad input."""
+"""common/measure/theory.py (adding up formulas.py) and tools/estimate.py: the formulas by hand,
+against the memory tracer (on real CPU tensors and under FakeTensorMode with a fake process
+group), and bad input."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from common.measure import theory
+from common.measure import formulas, splits, theory
 from tools.estimate import main as estimate_main, trace
 from common.model import count_params, get_config
 import launch
@@ -270,8 +271,8 @@ def test_cuda_kernels_keep_what_the_census_on_the_h200_listed():
             + 2 * f * 4)              # w1's and w3's outputs, silu's and the product
     fp32 = 4 * d * 2 + 4 + 4 + 4 * d * 3 + 4 * d * 3 + 4 * h + 4 * f * 4
     assert (bf16, fp32) == (100_488, 196_744)
-    assert theory.layer_activation_bytes(cfg, 1, "bf16", device="cuda") == bf16
-    assert theory.layer_activation_bytes(cfg, 1, "fp32", device="cuda") == fp32
+    assert formulas.layer_activation_bytes(cfg, 1, "bf16", device="cuda") == bf16
+    assert formulas.layer_activation_bytes(cfg, 1, "fp32", device="cuda") == fp32
 
 
 def test_where_the_1b_peaks_fall_and_what_is_device_specific():
@@ -288,10 +289,10 @@ def test_where_the_1b_peaks_fall_and_what_is_device_specific():
     assert cuda["optimizer temporaries"] == pytest.approx(4 * n, rel=1e-6) and cpu["optimizer temporaries"] == 0
     assert cuda["peak"] == pytest.approx(20 * n, rel=1e-6)
     tokens, d, kv = 8192, cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {dev: theory.layer_activation_bytes(cfg, tokens, "fp32", device=dev) for dev in ("cpu", "cuda")}
+    per_layer = {dev: formulas.layer_activation_bytes(cfg, tokens, "fp32", device=dev) for dev in ("cpu", "cuda")}
     assert per_layer["cuda"] - per_layer["cpu"] == tokens * (4 * 2 * (d - kv) - 8 * d)
     # bf16 keeps grouped k/v on both (the flash kernels take them as they are): only the norms differ
-    bf16 = {dev: theory.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}
+    bf16 = {dev: formulas.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}
     assert bf16["cpu"] - bf16["cuda"] == tokens * 8 * d
 
 
@@ -302,7 +303,7 @@ def test_saved_tensor_census_of_one_block_is_the_formula(amp):
     CUDA's kernels keep; the bf16 row above is what it is for.)"""
     from tools.saved_census import census
     c = census(SMALL, 2, 128, "cpu", amp)
-    assert c["total"] == theory.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
+    assert c["total"] == formulas.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
     d, kv, f = SMALL.dim, SMALL.n_kv_heads * SMALL.head_dim, SMALL.ffn_dim
     assert c["weight copies"] == (2 * (2 * d * d + 2 * d * kv + 3 * d * f) if amp else 0)  # the block's bf16 copies
 
@@ -316,7 +317,7 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
     the 64-row matrices are short (22, 22, 20 rows), holds fewer gradient bytes than padding."""
     kw = dict(world=3, batch=6, seq_len=32)
     state = ("parameters", "gradients", "optimizer state")
-    local = 4 * sum(theory.shard_numel(s, 3, 2) for s in theory.param_shapes(DEBUG).values())
+    local = 4 * sum(splits.shard_numel(s, 3, 2) for s in splits.param_shapes(DEBUG).values())
     for device in ("cpu", "cuda"):
         plain = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
         off = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
@@ -336,7 +337,7 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
 
 
 def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
-    """theory.report under --cpu-offload, on a trace's result as common/measure/memory.py
+    """theory.report under --cpu-offload, on a trace's result as common/measure/memory_result.py
     writes it: the device's model state is the trace's less the host's share, the host's is
     held beside it, and the peak is the allocator's on a GPU (the device's own: the host's
     state was never in it) but the trace less the host's share on a CPU (whose allocator
@@ -345,7 +346,7 @@ def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
 
     import torch
     args = SimpleNamespace(model_config=DEBUG, global_batch_size=4, seq_len=32)
-    host = theory.model_state("fsdp", DEBUG, 2, 0)
+    host = formulas.model_state("fsdp", DEBUG, 2, 0)
     device = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 5_000, "other": 700}
     for kind, in_trace, want in (("cuda", False, 9_100), ("cpu", True, 8_000)):
         both = {c: device[c] + host.get(c, 0) for c in device} if in_trace else device

@@ -60,7 +60,7 @@ def test_chunked_loss_under_autocast_is_the_plain_loss_to_bf16_rounding():
 
 def test_every_second_matmul_policy_recomputes_to_the_same_gradients_and_keeps_the_formulas_bytes():
     """--ac selective-op: the losses and gradients of no checkpointing, and per block what
-    theory.layer_activation_bytes says, measured by the tracer under FakeTensorMode (the
+    formulas.layer_activation_bytes says, measured by the tracer under FakeTensorMode (the
     activations of selective-op, less those of selective, are exactly the three matmul
     outputs it drops: wk, wo and w3)."""
     from tools.estimate import trace

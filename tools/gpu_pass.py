@@ -177,7 +177,7 @@ def streams(rehearse: bool = False, big_memory: bool = False, cores: int | None 
     savers = ["--loss-chunks", "16", "--split-root-unit", "--expandable-segments"]
     out += [
         Stream("census", 2, "the estimator's 1b rows within 3% of the allocator (gpu_check's 1b runs); each list is "
-               "the CUDA formula's per-layer count to the byte (theory.layer_activation_bytes, device cuda)",
+               "the CUDA formula's per-layer count to the byte (formulas.layer_activation_bytes, device cuda)",
                [Command(["-m", "tools.saved_census", "--model", "1b", "--device", "cuda", "--amp", amp, "--batch", "4",
                          "--seq-len", "2048"], 6) for amp in ("bf16", "off")] if gpu else
                [Command(["-m", "tools.saved_census", "--model", "debug", "--amp", amp, "--batch", "2", "--seq-len",
