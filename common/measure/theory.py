@@ -416,7 +416,8 @@ def report(args, ctx, memory, strategy: str, lines: list | None = None, **plan_k
     """
     if not ctx.is_main:
         return None
-    from common.measure.memory import STAGING, fmt_bytes
+    from common.measure.byte_units import fmt_bytes
+    from common.measure.memory_categories import STAGING
     # CUDA path: no CPU test: which kernels' formula a run is held to follows its device; gpu_check holds CUDA
     # runs to it
     plan_kwargs.setdefault("device", "cuda" if ctx.device.type == "cuda" else "cpu")
