@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common.measure import formulas, splits, theory
+from common.measure.plan import Plan
 from common.measure.comm import RING_FACTOR
 from tools.estimate import trace
 from common.model import get_config
@@ -159,7 +160,7 @@ def test_sequence_parallel_activations_are_not_a_quarter():
     cfg = get_config("small", n_layers=8)
     act = {}
     for name, kw in (("single", {}), ("tp", {"tp": W}), ("tp_sp", {"tp": W, "sequence_parallel": True})):
-        plan = theory.Plan(cfg, "tp" if kw else "single", world=W if kw else 1, batch=8, seq_len=64, **kw)
+        plan = Plan(cfg, "tp" if kw else "single", world=W if kw else 1, batch=8, seq_len=64, **kw)
         act[name] = trace(plan)["activations"]
         assert act[name] == pytest.approx(theory.predict(plan)["activations"], rel=0.01), name
     ratio = act["tp_sp"] / act["single"]
@@ -364,7 +365,7 @@ def test_torchtitan_per_op_sac_recompute():
     share = per_op_sac_flops(cfg) / (2 * layer_matmul_params(cfg))
     m = GPUS["torchtitan"]
     ms = 2 * 8192 * cfg.n_layers * per_op_sac_flops(cfg) / m.matmul_rate("bf16") * 1e3
-    plan = theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+    plan = Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", ac="selective",
                        device="cuda")
     ours = step_time(plan, m)["recompute"] * 1e3
     theirs = step_time(replace(plan, ac="selective-op"), m)["recompute"] * 1e3
@@ -385,7 +386,7 @@ def test_torchtitan_fsdp_tp_row_at_its_published_settings():
     p = row["plan"]
     assert (p.world, p.tp, p.dp, p.batch, p.seq_len, p.ac, p.sequence_parallel) == (64, 8, 8, 96, 8192,
                                                                                    "selective-op", True)
-    old = step_time(theory.Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+    old = step_time(Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
                                 device="cuda", optimizer="foreach"), GPUS["torchtitan"])
     t = row["time"]
     print(f"ours {row['ours']:,.0f} against {row['theirs']:,} ({row['ours'] / row['theirs']:.2f}x); exposed "
@@ -473,7 +474,7 @@ def test_step_time_numbers_will_it_fit_quotes():
     from common.model import flops_per_token
     from tools.plan import torchtitan_rows
     cfg = get_config("8b", vocab_size=128256, max_seq_len=8192)
-    ms = {k: step_time(theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
+    ms = {k: step_time(Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
                                    optimizer=k), GPUS["torchtitan"])["optimizer"] * 1e3 for k in ("foreach", "fused")}
     more = flops_per_token(cfg, 8192) / model_flops_per_token(cfg, 8192) - 1
     rows = {r["what"]: r for r in torchtitan_rows()}

@@ -23,7 +23,8 @@ import pytest
 from common import ROOT
 from common.model import count_params, get_config
 from common.measure.formulas import cp_bytes_per_step
-from common.measure.theory import Plan, predict
+from common.measure.plan import Plan
+from common.measure.theory import predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
 import launch
@@ -119,7 +120,7 @@ def test_bf16_matches_the_one_device_bf16_run(runs):
 
 
 def plan_of(n: int, name: str) -> Plan:
-    """The theory.py plan of a case, read from its flags."""
+    """The Plan (common/measure/plan.py) of a case, read from its flags."""
     flags = next(c for c in CASES[n] if c["name"] == name)["flags"]
     value = {a: b for a, b in zip(flags, flags[1:])}  # the last value of each flag wins, as in argparse
     dp = int(value.get("--dp", 1))

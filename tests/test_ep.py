@@ -24,7 +24,8 @@ import time
 import pytest
 
 from common import ROOT
-from common.measure.theory import Plan, predict
+from common.measure.plan import Plan
+from common.measure.theory import predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
 import launch

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from common.measure import formulas, splits, theory
+from common.measure.plan import Plan
 from tools.estimate import main as estimate_main, trace
 from common.model import count_params, get_config
 import launch
@@ -30,7 +31,7 @@ def step1(tmp_path_factory):
 
 
 def test_formulas_equal_hand_computed_bytes(step1):
-    p = theory.predict(theory.Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
+    p = theory.predict(Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
     assert p["parameters"] == p["gradients"] == 4 * N and p["optimizer state"] == 8 * N + 4 * T
     # 2 sequences x 32 tokens per rank; per token and layer 4(8d + 2kv + 4f + h + 2) bytes; the
     # head 12d + 4 + 4V (log-probs: train_ddp.py asks the model for the loss, nothing holds the
@@ -38,14 +39,14 @@ def test_formulas_equal_hand_computed_bytes(step1):
     d, kv, f, h, v = 64, 32, 192, 4, 256
     assert p["activations"] == 64 * (4 * 4 * (8 * d + 2 * kv + 4 * f + h + 2) + 12 * d + 4 + 4 * v + 16)
     assert p["comm"] == {"all_reduce": 4 * N}
-    z3 = theory.predict(theory.Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
+    z3 = theory.predict(Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
     assert z3["parameters"] == 4 * N // 4 and z3["optimizer state"] == 8 * N // 4 + 4 * T  # debug splits evenly
-    ac = theory.predict(theory.Plan(DEBUG, "single", batch=2, seq_len=32, ac="full"))
+    ac = theory.predict(Plan(DEBUG, "single", batch=2, seq_len=32, ac="full"))
     assert ac["activations"] == 64 * (4 * 4 * d + 12 * d + 4 + 8 * v + 16)
     # 8b on 4 x 80 GB: FSDP fits, DDP does not (16 bytes x 7B parameters alone is 104 GiB)
     big = get_config("8b")
-    ddp = theory.predict(theory.Plan(big, "ddp", world=4, batch=4, seq_len=2048, dtype="bf16"))
-    fsdp = theory.predict(theory.Plan(big, "fsdp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    ddp = theory.predict(Plan(big, "ddp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    fsdp = theory.predict(Plan(big, "fsdp", world=4, batch=4, seq_len=2048, dtype="bf16"))
     assert ddp["peak"] > 80 * 2**30 > fsdp["peak"]
 
 
@@ -71,7 +72,7 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
         "single-bf16-ac", "tp-sac", "cp", "single-bf16-sac-op", "ddp-chunks", "fsdp-bf16-savers"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
-        plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
+        plan = Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
         f, t = theory.predict(plan), trace(plan)
         for c in ("parameters", "optimizer state"):
             assert t[c] == pytest.approx(f[c], rel=0.01), (cfg, c)
@@ -85,7 +86,7 @@ def test_trace_agrees_with_the_formula(strategy, world, kw):
 def test_pipeline_trace_replays_the_schedule_on_the_fullest_stage(schedule):
     """GPipe keeps every micro-batch in flight on every stage, so the last stage (it adds the
     output layer and the loss) is the fullest; 1F1B keeps p - s, so the first stage is."""
-    plan = theory.Plan(DEBUG, "pp", world=4, batch=8, seq_len=64, dtype="fp32", microbatches=4, schedule=schedule)
+    plan = Plan(DEBUG, "pp", world=4, batch=8, seq_len=64, dtype="fp32", microbatches=4, schedule=schedule)
     t = trace(plan)
     assert t["rank"] == (3 if schedule == "gpipe" else 0)
     f = theory.predict(plan, t["rank"])
@@ -109,7 +110,7 @@ def test_cli_table_and_one_strategy(capsys):
 def test_fits_means_under_usable_memory_not_the_card_total(capsys):
     """An "80 GB" H100 reports 79.65 GiB; the CUDA context, NCCL and the allocator need some
     of it. 8b ZeRO-1 with full AC peaks at 79.62 GiB: under the total, over what is usable."""
-    peak = theory.predict(theory.Plan(get_config("8b"), "zero1", world=4, batch=4, seq_len=2048, dtype="bf16",
+    peak = theory.predict(Plan(get_config("8b"), "zero1", world=4, batch=4, seq_len=2048, dtype="bf16",
                                       ac="full"))["peak"] / 2**30
     assert 75.65 < peak < 79.65, peak
     rows = {}
@@ -248,7 +249,7 @@ GPU_1B = {  # (dtype, ac): allocator peak in GiB, the GPU
 def test_cuda_formula_within_3_percent_of_the_gpu_allocator(dtype, ac):
     from tools.estimate import GPU_1B_PEAKS
     assert GPU_1B_PEAKS == GPU_1B  # the README's table quotes the estimator's copy: the same numbers
-    plan = theory.Plan(get_config("1b"), "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device="cuda")
+    plan = Plan(get_config("1b"), "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device="cuda")
     p = theory.predict(plan)
     measured, gpu = GPU_1B[dtype, ac]
     print(f"{dtype} AC {ac}: formula {p['peak'] / 2**30:.2f} GiB at the {p['peak_at']}, {gpu} {measured} GiB")
@@ -283,8 +284,8 @@ def test_where_the_1b_peaks_fall_and_what_is_device_specific():
     dtypes CUDA's fused RMSNorm keeps no normalised x (4 bytes x d, twice a block)."""
     cfg, n = get_config("1b"), count_params(get_config("1b"))
     kw = dict(batch=4, seq_len=2048, dtype="bf16", ac="full")
-    cuda = theory.predict(theory.Plan(cfg, "single", device="cuda", **kw))
-    cpu = theory.predict(theory.Plan(cfg, "single", device="cpu", **kw))
+    cuda = theory.predict(Plan(cfg, "single", device="cuda", **kw))
+    cpu = theory.predict(Plan(cfg, "single", device="cpu", **kw))
     assert cuda["peak_at"] == "optimizer step" and cpu["peak_at"] == "end of backward"
     assert cuda["optimizer temporaries"] == pytest.approx(4 * n, rel=1e-6) and cpu["optimizer temporaries"] == 0
     assert cuda["peak"] == pytest.approx(20 * n, rel=1e-6)
@@ -319,8 +320,8 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
     state = ("parameters", "gradients", "optimizer state")
     local = 4 * sum(splits.shard_numel(s, 3, 2) for s in splits.param_shapes(DEBUG).values())
     for device in ("cpu", "cuda"):
-        plain = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
-        off = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
+        plain = theory.predict(Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
+        off = theory.predict(Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
         assert all(off[c] == 0 for c in state) and off["activations"] == plain["activations"]
         assert off["transient"] == plain["transient"]  # the gathered units and their gradients
         assert off["host"] == {c: plain[c] for c in state} | ({"gradients": local} if device == "cuda" else {})
@@ -329,11 +330,11 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
         assert off["optimizer temporaries"] == 0 and off["peak_at"] != "optimizer step"
     assert local < plain["gradients"]
     # on the CPU the peak is the end of forward (no gradient yet): less the parameters and AdamW state
-    plain, off = (theory.predict(theory.Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
+    plain, off = (theory.predict(Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
     assert plain["peak_at"] == off["peak_at"] == "end of forward"
     assert off["peak"] == plain["peak"] - plain["parameters"] - plain["optimizer state"]
     with pytest.raises(ValueError, match="FSDP's"):
-        theory.Plan(DEBUG, "ddp", world=2, cpu_offload=True)
+        Plan(DEBUG, "ddp", world=2, cpu_offload=True)
 
 
 def test_report_holds_an_offloaded_run_to_the_device_and_the_host():

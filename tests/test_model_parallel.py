@@ -437,7 +437,7 @@ def test_estimator_trace_of_each_stage_matches_the_real_pipeline(runs, name, n_l
     activations and the peak within 10% (the replay's stand-ins for the neighbours' tensors
     are not the schedule's own buffers)."""
     from tools.estimate import trace
-    from common.measure.theory import Plan
+    from common.measure.plan import Plan
     plan = Plan(get_config("debug", n_layers=n_layers), "pp", world=4, batch=BATCH, seq_len=SEQ, dtype="fp32",
                 microbatches=m, schedule="gpipe")
     for real in result(runs, 4, name)["summary"]["memory"]:

@@ -13,7 +13,7 @@ import pytest
 
 from common.measure.steptime import (DDP_BUCKET_BYTES, Link, Machine, collective_time, head_flops, layer_flops,
                                      layer_matmul_params, ring_factor, step_time)
-from common.measure.theory import Plan
+from common.measure.plan import Plan
 from common import ROOT
 from common.model import count_params, get_config
 

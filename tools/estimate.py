@@ -48,8 +48,8 @@ from common.errors import UserError, main_guard
 from common.prepared import take_vocab
 from common.measure.byte_units import fmt_bytes
 from common.model import PRESETS, get_config
-from common.measure.formulas import ALIASES, STRATEGIES
-from common.measure.theory import CATEGORIES, HEAD_LOSS_STRATEGIES, ROOT_REDUCE, Plan, predict
+from common.measure.plan import ALIASES, HEAD_LOSS_STRATEGIES, STRATEGIES, Plan
+from common.measure.theory import CATEGORIES, ROOT_REDUCE, predict
 from common.parallelize.ac import AC_MODES
 
 GiB = 2**30

@@ -614,7 +614,7 @@ def predicted_vs_measured(check_report: dict) -> list[dict]:
     """gpu_check's measured step of each ONE_RANK run beside common/measure/steptime.py's
     prediction for the same model, batch and dtype on the spec sheet of the GPU that ran it."""
     from common.measure.steptime import GPUS, step_time
-    from common.measure.theory import Plan
+    from common.measure.plan import Plan
     from common.model import get_config
     from tools.gpu_check import CHECKS, SCALES
 

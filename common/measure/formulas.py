@@ -67,19 +67,11 @@ flight: all m under GPipe, min(p - s, m) on stage s under 1F1B.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from common.measure.plan import ALIASES, Plan
 from common.measure.splits import is_root, padded_shard_numel, param_shapes, shard_numel
 from common.model import ModelConfig
 
-if TYPE_CHECKING:
-    from common.measure.theory import Plan
-
-DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
-STRATEGIES = DP_STRATEGIES + ("tp", "pp", "2d")
-STRATEGIES += ("ep",)  # expert parallelism, the dense part FSDP (step3_multi_gpu/train_ep.py)
-ALIASES = {"fsdp": "fsdp_zero3", "zero3": "fsdp_zero3", "zero2": "fsdp_zero2", "hsdp_zero3": "hsdp",
-           "hsdp_zero2": "hsdp"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -330,7 +322,6 @@ def checkpointed_blocks(n_layers: int, ac: str, every: int = 1) -> int:
 
 
 # ---- context parallelism (common/parallelize/cp.py) --------------------------------------------
-STRATEGIES += ("cp", "cp_fsdp")
 
 def cp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, cp: int, bytes_per_el: int = 4,
                       recomputed_blocks: int = 0, device: str = "cpu") -> dict[str, int]:

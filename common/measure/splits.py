@@ -8,22 +8,19 @@ stage, then tensor parallel, then data parallel over what is left):
 - DP: all of it (single, DDP), all but 1/dp of AdamW's state (ZeRO-1), or a dim-0 chunk of
   each tensor, padded to ceil(rows/dp) rows (FSDP ZeRO-2/3, HSDP over its shard group).
 
-``rank_shapes`` is the product for one rank of a ``Plan`` (common/measure/theory.py); the
+``rank_shapes`` is the product for one rank of a ``Plan`` (common/measure/plan.py); the
 formulas (common/measure/formulas.py) count bytes on the shapes these return.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from common.measure.plan import Plan
 from common.model import ModelConfig, Transformer
 from common.parallelize.schedules import V_SCHEDULES
-
-if TYPE_CHECKING:
-    from common.measure.theory import Plan
 
 COLWISE = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
            "feed_forward.w3.weight")
@@ -109,7 +106,7 @@ def tp_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[in
     return out
 
 
-# ---- one rank of a Plan (common/measure/theory.py) ---------------------------------------------
+# ---- one rank of a Plan (common/measure/plan.py) -----------------------------------------------
 def _loops(plan: Plan) -> int:
     return 2 if plan.schedule in ("interleaved1f1b", *V_SCHEDULES) and plan.pp > 1 else 1
 

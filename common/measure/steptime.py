@@ -95,8 +95,8 @@ from pathlib import Path
 
 from common.measure.formulas import (DTYPE_BYTES, _dp_comm, checkpointed_blocks, cp_bytes_per_step, is_expert,
                                      layer_activation_bytes, pp_bytes_per_step, tp_bytes_per_step)
+from common.measure.plan import Plan
 from common.measure.splits import is_root, rank_shapes
-from common.measure.theory import Plan
 from common.model import ModelConfig
 
 GB = 1e9
