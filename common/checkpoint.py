@@ -25,27 +25,6 @@ accumulation are.
 that), then a thread writes it, on a gloo group of its own; rank 0 declares the checkpoint
 (meta.json, the rename) only once the write has ended everywhere. One write at a time.
 
-Preemption: a SIGTERM or SIGUSR1 (a cluster taking the nodes back; torchrun forwards both
-to every rank when told to) is only noted by the rank that gets it. At the end of every
-step each rank puts its "stop?" flag into one all-reduce (MAX) on the device and copies
-the result to the host without waiting; the next step reads it. So the ranks decide
-together, at the same step, even when the signal reached one rank alone, and no step waits
-for the vote. Then every rank saves that step and the run exits with EXIT_PREEMPTED (75)
-and "preempted at step N ...; resume with --resume". A signal in the last step (no step is
-left to stop before) lets the run complete: exit 0, and one line saying so (``Run.finish``).
-A script whose state this module cannot save (DeepSpeed's engine, ``can_save=False``) stops
-at the agreed step unsaved, exit 75, saying the steps are lost.
-
-Ctrl-C (SIGINT: torchrun passes it on to every rank) is voted on the same way, but stops
-without saving: the person wants the run to end now, and saving a large model takes minutes.
-A checkpoint being written in the background is finished first; then every rank stops at the
-agreed step, exit 130, and rank 0 says which checkpoint ``--resume`` would continue from (a
-SIGTERM to torchrun is the way to stop with a checkpoint). A second Ctrl-C ends every rank at
-once, mid-step (common/errors.py): under torchrun it reaches torchrun alone, which then sends
-every rank SIGTERM, taken as that second Ctrl-C by a rank that had the first. A rank that
-reaches no step end soon after the Ctrl-C stops by itself (``_give_up_if_stuck``), before
-torchrun's SIGKILL 30 s after it.
-
 The end of a run: a rank killed after the last step's checkpoint, before ``summary.json``
 (written last), leaves a run whose training is done and whose outputs are not. ``--resume``
 then finds the last step's checkpoint, every step in metrics.jsonl and no summary.json: it
@@ -59,20 +38,18 @@ elastic restarts and preemption.
 
 ``python -m common.checkpoint export <checkpoint folder> <file.pt>`` turns a checkpoint
 into one plain ``torch.save`` file of full tensors for inference.
+
+Beside it: preemption and Ctrl-C (common/checkpoint_signals.py, whose ``StopSignals`` the
+Checkpointer inherits), meta.json (checkpoint_meta.py), the state dict's layout-free form
+(checkpoint_state.py), the run folder's lock (run_folder.py), the weights as one file (weights.py).
 """
 from __future__ import annotations
 
 import argparse
-import atexit
-import inspect
 import json
-import logging
 import math
 import os
 import shutil
-import signal
-import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -80,7 +57,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -89,17 +65,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.errors import Interrupted, Preempted, UserError, note_ctrl_c
-from common.measure.syncs import HostCopy
+from common.checkpoint_meta import PARTIAL, complete_checkpoints, config_differences, read_meta
+from common.checkpoint_signals import GO_ON, STOP_UNSAVED, StopSignals
+from common.checkpoint_state import _flatten_optim, _local_bytes, _stager, _unflatten_optim, _union, per_group
+from common.errors import Preempted, UserError
 
-PARTIAL = "_partial"
-# What a cluster sends before it takes the nodes back: Slurm's SIGTERM at the time limit or
-# on preemption, and the early warning asked for with #SBATCH --signal=B:USR1@120.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# The vote: MAX over the ranks of each one's wish, so a stop signal's save wins over a Ctrl-C's
-# stop where both came.
-GO_ON, STOP_UNSAVED, STOP_SAVED = 0.0, 1.0, 2.0
-CTRL_C_PATIENCE_S = 20.0  # at most, after a Ctrl-C, for a step to end: torchrun SIGKILLs every rank at 30
 FAIL_HOW = ("exit", "sigterm", "sigusr1", "sigterm-torchrun")
 
 
@@ -162,63 +132,7 @@ def check_flags(args):
         raise UserError(f"--fail-rank {args.fail_rank} does not exist: this run has ranks 0 to {world - 1}.")
 
 
-META_KEYS = ("step", "model", "model_config", "world_size", "parallel", "global_batch_size", "seq_len", "seed",
-             "data", "scheduler", "data_position")
-
-
-def read_meta(path: Path) -> dict:
-    """meta.json of a checkpoint, or one sentence saying why it cannot be used."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"checkpoint {path}: meta.json cannot be read ({type(e).__name__}); move the folder "
-                        f"aside to resume from the one before it.") from None
-    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise UserError(f"checkpoint {path}: meta.json lacks {', '.join(missing)}; it was not written by this "
-                        f"tutorial's checkpointer (or was edited); move the folder aside.")
-    return meta
-
-
-# What a checkpoint's numbers depend on, as (meta.json key, flag, default for checkpoints
-# written before the key was saved). The parallel layout, --steps (raising it is how a finished
-# run continues) and the pipeline schedule are not here: DCP reshards by parameter name, and
-# none of them changes the numbers already trained.
-RUN_SETTINGS = (("model", "--model", None), ("n_layers", "--n-layers", None),
-                ("global_batch_size", "--global-batch-size", None), ("seq_len", "--seq-len", None),
-                ("lr", "--lr", None), ("warmup_steps", "--warmup-steps", None), ("data", "--data", None),
-                ("seed", "--seed", None), ("grad_accum", "--grad-accum", 1),
-                ("data_id", "--data's contents (prepared folder's meta.json hash)", None),
-                ("doc_mask", "--doc-mask", False))
-
-
-def config_differences(meta: dict, args) -> list[str]:
-    """'--lr 0.001 there, 0.003 here' for every setting the checkpoint's run had otherwise."""
-    saved = dict(meta)
-    saved.setdefault("n_layers", (meta.get("model_config") or {}).get("n_layers"))
-    saved.setdefault("grad_accum", meta.get("grad_accum_steps", 1))  # the data position counts micro-batches
-    here = {"n_layers": args.model_config.n_layers, "grad_accum": getattr(args, "grad_accum", 1),
-            "doc_mask": getattr(args, "doc_mask", False)}
-    diff = []
-    for key, flag, default in RUN_SETTINGS:
-        there, now = saved.get(key, default), here.get(key, getattr(args, key, None))
-        if there is not None and there != now:
-            diff.append(f"{flag} {there} there, {now} here")
-    if not diff and meta.get("model_config") not in (None, args.model_config.as_dict()):
-        diff.append(f"--model {meta.get('model')} there had another shape than --model {args.model} here")
-    return diff
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")
-             and not p.name.endswith(PARTIAL) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-class Checkpointer:
+class Checkpointer(StopSignals):
     """Saves and restores everything a run needs to continue exactly where it stopped.
 
     ``parts`` is a list of (model, optimizer) pairs: one for most strategies, one per
@@ -259,130 +173,6 @@ class Checkpointer:
             self._write_group = dist.new_group(backend="gloo")
         self._progress, self._longest = time.monotonic(), 0.0  # step ends and saves, for _give_up_if_stuck
 
-    # ---- preemption ---------------------------------------------------------------------
-    def listen(self):
-        """From now until ``close``, SIGTERM and SIGUSR1 ask every rank to save and stop, and
-        Ctrl-C (SIGINT) to stop."""
-        if not getattr(self.ctx, "fake", False) and threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._handlers[sig] = signal.signal(sig, self._on_signal)
-            self._handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_ctrl_c)
-
-    def _on_signal(self, signum, frame):
-        if self.ctrl_c and signum == signal.SIGTERM:
-            # torchrun answers a second Ctrl-C (it alone gets them) with SIGTERM to every rank:
-            # the person asked twice, so this is that second Ctrl-C, not a cluster's "save".
-            note_ctrl_c()  # (ends the process)
-        # Only a note: the step goes on, and nothing is printed here (a print inside a print
-        # that the signal interrupted raises "reentrant call").
-        first, self.signalled = self.signalled is None and not self.ctrl_c, signal.Signals(signum).name
-        if first:
-            self._start_watch(signum)
-
-    def _on_ctrl_c(self, signum, frame):
-        # A note too, instead of Python's KeyboardInterrupt: raised wherever the step happens to
-        # be, it left a rank mid-collective and its peers with a gloo traceback, and raised in a
-        # finalizer (the memory tracer's) it was swallowed and the rank trained on.
-        note_ctrl_c()  # a second Ctrl-C ends the process there
-        first, self.ctrl_c = self.signalled is None and not self.ctrl_c, True
-        if first:
-            self._start_watch(signum)
-
-    def _start_watch(self, signum: int):
-        self._watch = threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True)
-        self._watch.start()
-
-    def mark_progress(self):
-        now = time.monotonic()
-        self._longest = max(self._longest, now - self._progress)
-        self._progress = now
-
-    def _give_up_if_stuck(self, signum: int):
-        """torchrun sends the same SIGTERM when it stops the job because another rank died:
-        then the step in flight waits for a rank that is gone (NCCL waits until --pg-timeout)
-        and would hold up the restart until torchrun's SIGKILL. A rank that reaches no step
-        end (nor a checkpoint's start or end) in 3 times the longest step or save seen so far,
-        and at least 10 s, after the signal stops at once; after a Ctrl-C, in at most
-        CTRL_C_PATIENCE_S, so that the rank says why it stopped before torchrun kills it."""
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        while not self._closed.wait(0.2):
-            idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
-            if signum == signal.SIGINT:
-                patience = min(patience, CTRL_C_PATIENCE_S)
-            if idle > patience and not self._closed.is_set():
-                print(f"[rank {self.ctx.rank}] {name}: no step ended in {idle:.0f} s since the signal "
-                      f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
-                os._exit(128 + signum)
-
-    def signal_at_the_end(self) -> str | None:
-        """At the end of a run that finished every step: the stop signal any rank received and
-        no vote turned into a stop (it came in the last step, or after it), else None. Every
-        rank calls this (one reduction, once a run)."""
-        if getattr(self.ctx, "fake", False):
-            return None
-        got = signal.Signals[self.signalled] if self.signalled else signal.SIGINT if self.ctrl_c else None
-        code = torch.tensor([float(got.value if got else 0)], device=self.ctx.device)
-        if self.ctx.has_peers:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(code.item())).name if code.item() else None
-
-    def close(self):
-        """Give the signals back to whoever had them (a harness running several runs), and end
-        the watch on a stuck step."""
-        for sig, old in self._handlers.items():
-            signal.signal(sig, old)
-        self._handlers = {}
-        self._closed.set()
-        if self._watch is not None:
-            # Joined here, while the run is alive: a watch thread that ended during Python's exit
-            # let go of this checkpointer (its target) there, freeing the model's tensors from a
-            # thread that may no longer run, and the rank aborted ("terminate called without an
-            # active exception").
-            self._watch.join()
-            self._watch = None
-
-    def _cast_vote(self):
-        """This rank's "stop?" into one all-reduce (MAX), read by the next step's
-        ``stop_agreed``. On a GPU the reduction and the copy to the host are queued behind
-        the step's work and nothing waits for them now."""
-        if self._flag is None:
-            self._flag = torch.zeros(1, device=self.ctx.device)
-        self._flag.fill_(STOP_SAVED if self.signalled else STOP_UNSAVED if self.ctrl_c else GO_ON)
-        if self.ctx.has_peers:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        self._vote = HostCopy({"stop": self._flag}, self.ctx.device)
-
-    def stop_agreed(self) -> bool:
-        """Whether any rank got a stop signal by the end of the previous step. The same
-        answer on every rank, from the same reduction: they all stop after this step."""
-        if self._vote is None:
-            return False
-        self.stopping, self._vote = float(self._vote.values()["stop"][0]), None
-        return self.stopping > GO_ON
-
-    def _stop_after_ctrl_c(self, step: int):
-        """Every rank stops after ``step``, unsaved; rank 0's line says what --resume would do."""
-        self.wait()  # a background write under way: finished and declared, the newest checkpoint
-        self.close()
-        kept = complete_checkpoints(self.folder)
-        if kept:
-            saved = int(kept[-1].name.split("_")[1])
-            again = f"step {step} is" if saved + 1 == step else f"steps {saved + 1}-{step} are"
-            told = (f"--resume continues from {kept[-1]} (step {saved}), so {again} trained again" if saved < step
-                    else f"--resume continues from {kept[-1]}: nothing is lost")
-        else:
-            told = f"no checkpoint was written, so the {step + 1} steps trained are lost"
-        hint = "; a SIGTERM (to torchrun, if it launched the run) stops with a checkpoint" if self.can_save else ""
-        raise Interrupted(f"interrupted (Ctrl-C): every rank stopped after step {step}, unsaved; {told}{hint}.")
-
-    def _send_fault_signal(self):
-        """--fail-how sigterm/sigusr1/sigterm-torchrun: what a cluster does, on cue."""
-        how = self.args.fail_how
-        sig = signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM
-        target = os.getppid() if how == "sigterm-torchrun" else os.getpid()  # torchrun started this worker
-        print(f"[rank {self.ctx.rank}] --fail-at-step {self.args.fail_at_step}: sending {sig.name} to "
-              f"{'torchrun' if target != os.getpid() else 'this rank alone'}", flush=True)
-        os.kill(target, sig)
 
     # ---- state --------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -668,150 +458,6 @@ class Checkpointer:
             self._cast_vote()
 
 
-def _stager(on_staged):
-    """DCP's default stager for async_save (a plain copy to host memory, made before
-    async_save returns), which also hands the copy to ``on_staged`` (the memory tracer's
-    "checkpoint staging"). None where this torch has no such class: async_save's own then."""
-    if on_staged is None or "async_stager" not in inspect.signature(dcp.async_save).parameters:
-        return None
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # an older torch (the GPU machines run 2.11): async_save's own stager, untraced
-        return None
-
-    class Stager(DefaultStager):
-        def stage(self, state_dict, **kwargs):
-            staged = super().stage(state_dict, **kwargs)
-            on_staged(staged)
-            return staged
-
-    return Stager(StagingOptions(False, False, False, False))  # what async_save builds when given none
-
-
-def _local_bytes(state) -> int:
-    """Bytes of the tensors this rank holds in a state dict (its shards of DTensors)."""
-    if isinstance(state, dict):
-        return sum(_local_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_local_bytes(v) for v in state)
-    if isinstance(state, DTensor):
-        state = state.to_local()
-    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
-
-
-def _union(modules) -> torch.nn.Module:
-    """One module whose parameters are those of ``modules``, under their own names.
-
-    Pipeline stages keep the full model's names (``layers.5...``), and one rank's stages
-    own disjoint layers, so their children merge without a clash (ModuleDicts by key).
-    """
-    if len(modules) == 1:
-        return modules[0]
-    union = torch.nn.Module()
-    for m in modules:
-        for name, child in m.named_children():
-            if child is None:
-                continue
-            have = getattr(union, name, None)
-            if isinstance(child, torch.nn.ModuleDict) and isinstance(have, torch.nn.ModuleDict):
-                have.update(child)
-            elif have is None:
-                setattr(union, name, torch.nn.ModuleDict(child) if isinstance(child, torch.nn.ModuleDict) else child)
-            else:
-                raise ValueError(f"two stages of one rank both hold {name!r}")
-    return union
-
-
-LOCK = ".run.lock"
-
-
-def keep_finished_run(args, ctx) -> str | None:
-    """A finished run's folder is never replaced in silence. Running a script again with the
-    same --out (the default runs/<script> too) moves the finished run (its summary.json
-    says it finished) aside, to ``<out>@<when it finished>``, and says so; the new run
-    writes into ``<out>``, which thus always holds the latest run, and the older ones sit
-    beside it with their dates. Not with --resume from a checkpoint there (it continues the
-    run in place, or says why it cannot), nor in a torchrun restart (the same run, started
-    again). Rank 0 moves; returns the line it printed, or None."""
-    out = Path(args.out)
-    summary = out / "summary.json"
-    resumes = getattr(args, "resume", False) and complete_checkpoints(out / "checkpoints")
-    if not ctx.is_main or resumes or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        return None
-    if not summary.exists():
-        return None
-    when = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(summary.stat().st_mtime))
-    aside = out.with_name(f"{out.name}@{when}")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = out.with_name(f"{out.name}@{when}.{n}")
-    try:
-        about = json.loads(summary.read_text())
-        what = f"{about.get('script', '?')}, {about.get('world_size', '?')} rank(s), {about.get('steps', '?')} steps"
-    except (OSError, ValueError):
-        what = "its summary unreadable"
-    out.rename(aside)
-    out.mkdir(parents=True)
-    line = (f"--out {out} held a finished run ({what}); moved it to {aside} so that nothing is lost. This run "
-            f"writes into {out}.")
-    print(line, flush=True)
-    return line
-
-
-def lock_out(args, ctx) -> Path | None:
-    """One live run per --out: two runs writing into one folder would mix their metrics and
-    overwrite each other's checkpoints. Rank 0 writes ``<out>/.run.lock`` (its pid and host)
-    and every rank gets its verdict. A lock whose process is gone (a killed run) is stale and
-    taken over; so is one of this very process (a harness running several scripts). A
-    finished run found there is moved aside first (``keep_finished_run``)."""
-    verdict, path = None, Path(args.out) / LOCK
-    if ctx.is_main and not path.exists():
-        keep_finished_run(args, ctx)
-    if ctx.is_main:
-        host = socket.gethostname()
-        try:
-            pid, owner = path.read_text().split()[:2]
-            pid = int(pid)
-        except (OSError, ValueError):
-            pid, owner = None, None
-        if pid is not None and pid != os.getpid():
-            if owner != host:
-                verdict = (f"--out {args.out} is locked by a run on {owner} (pid {pid}); give another --out, or "
-                           f"delete {path} if that run is over.")
-            elif _alive(pid):
-                verdict = (f"another run (pid {pid}) is writing into --out {args.out}; wait for it to end, or give "
-                           f"this run another --out.")
-        if verdict is None:
-            path.write_text(f"{os.getpid()} {host}\n")
-            atexit.register(unlock_out, path)
-    if dist.is_initialized() and ctx.has_peers:
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    if verdict:
-        raise UserError(verdict)
-    return path if ctx.is_main else None
-
-
-def unlock_out(path: Path | None):
-    """Remove the lock if this process holds it."""
-    try:
-        if path is not None and path.read_text().split()[0] == str(os.getpid()):
-            path.unlink()
-    except (OSError, IndexError):
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def skip_nonfinite_step(optimizer, ctx, enabled: bool):
     """--on-nan skip: drop the gradients of a step whose gradients are not all finite.
@@ -840,72 +486,9 @@ def skip_nonfinite_step(optimizer, ctx, enabled: bool):
     return optimizer.register_step_pre_hook(hook)
 
 
-def per_group(scheduler_state: dict, groups: int) -> dict:
-    """A learning-rate schedule's saved state with one entry a group for ``groups`` groups.
-    The schedule keeps a list per parameter group (base_lrs, the last lrs, the lambdas'
-    state), and layouts have different numbers of groups (common/training.py: one per kind of
-    parameter; TP two, DDP one). Every group runs the same schedule, so the first entry
-    serves them all; a list left at the saving layout's length would leave a group's
-    learning rate behind, or fail."""
-    state = dict(scheduler_state)
-    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
-        if isinstance(state.get(key), list) and state[key] and len(state[key]) != groups:
-            state[key] = state[key][:1] * groups
-    return state
-
-
-def _flatten_optim(sd: dict) -> dict:
-    """{'state': {fqn: {...}}, 'param_groups': [...]} -> flat keys, mergeable across parts."""
-    flat = {f"state.{fqn}.{k}": v for fqn, st in sd["state"].items() for k, v in st.items()}
-    for i, group in enumerate(sd["param_groups"]):
-        for fqn in group["params"]:
-            flat[f"param_groups.{fqn}"] = {k: v for k, v in group.items() if k != "params"} | {"_group": i}
-    return flat
-
-
-def _unflatten_optim(flat: dict) -> dict:
-    state, groups = {}, {}
-    for key, v in flat.items():
-        if key.startswith("state."):
-            fqn, k = key[len("state."):].rsplit(".", 1)
-            state.setdefault(fqn, {})[k] = v
-        else:
-            fqn = key[len("param_groups."):]
-            g = dict(v)
-            i = g.pop("_group")
-            groups.setdefault(i, dict(g, params=[]))["params"].append(fqn)
-    return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
-
-
-def export(checkpoint: str, dest: str):
-    """One plain torch.save file of the model's full weights (no optimizer), for inference."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path, dest = Path(checkpoint), Path(dest)
-    if not (path / "meta.json").is_file():
-        raise UserError(f"{path} is not a complete checkpoint (no meta.json); give a step_... folder.")
-    if dest.exists():
-        raise UserError(f"{dest} already exists; give a new file name (export never overwrites).")
-    if not dest.parent.is_dir():
-        raise UserError(f"cannot write {dest}: the folder {dest.parent} does not exist.")
-    meta = read_meta(path)
-    tmp = dest.with_name(dest.name + ".tmp")
-    try:
-        dcp_to_torch_save(str(path), str(tmp))
-        full = torch.load(tmp, map_location="cpu", weights_only=False)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint, said plainly
-        reason = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path} cannot be read ({reason}); export an older one.") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    partial = dest.with_name(dest.name + ".partial")
-    torch.save({"model_config": meta["model_config"], "step": meta["step"], "model": full["model"]}, partial)
-    os.replace(partial, dest)  # a crash mid-write leaves no half file under the real name
-    print(f"wrote {dest}: {len(full['model'])} tensors of the {meta['model']!r} model at step {meta['step']}")
-
-
 if __name__ == "__main__":
     from common.errors import main_guard
+    from common.weights import export
 
     p = argparse.ArgumentParser(description="Turn a checkpoint into one torch.save file for inference.")
     p.add_argument("command", choices=["export"])
@@ -913,83 +496,3 @@ if __name__ == "__main__":
     p.add_argument("dest")
     a = p.parse_args()
     main_guard(export)(a.checkpoint, a.dest)
-
-
-# ---- one plain file of full weights, for inference ---------------------------------------
-# The sending rank's bytes gathered for rank 0 and not yet known to have arrived there, at
-# their highest during the last full_state_dict (0 on the ranks that send nothing). The
-# handshake below keeps it to one tensor; tests/drivers/model_parallel.py reads it.
-IN_FLIGHT = {"bytes": 0, "peak_bytes": 0}
-
-
-def _ready_for_next(ctx):
-    """The sender waits for rank 0's "ready": rank 0 has received every tensor before this one."""
-    ready = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-    dist.recv(ready, src=0)
-    ready.item()  # on a GPU, recv only queues the wait; the host waits here, before the next gather
-    IN_FLIGHT["bytes"] = 0
-
-
-def full_state_dict(modules: list[torch.nn.Module], ctx, pp: int = 1) -> dict[str, torch.Tensor] | None:
-    """Gather the trained weights back into one plain state dict in rank 0's host memory
-    (None elsewhere), one tensor at a time.
-
-    DTensor shards (TP, FSDP) are gathered with ``full_tensor()`` by the ranks that share
-    them. ``pp``: pipeline stages, the outermost dimension of the mesh (ranks s * W/pp to
-    (s + 1) * W/pp - 1 hold stage s, as their data- and tensor-parallel copies). Only the
-    first rank of each stage sends, tensor by tensor, in step with rank 0: rank 0 says
-    "ready" for each tensor once the one before has arrived and moved to its host memory,
-    and the sender gathers a tensor only after that, so it never holds more than one
-    gathered tensor that rank 0 has not received. Every stage keeps the full model's
-    parameter names, so the parts merge by name. Every rank must call this.
-    """
-    per_stage = ctx.world_size // pp if pp > 1 and ctx.has_peers else ctx.world_size
-    sends = ctx.rank % per_stage == 0 and not ctx.is_main  # the one copy of its stage, to rank 0
-    out = {} if ctx.is_main else None
-    IN_FLIGHT.update(bytes=0, peak_bytes=0)
-    # 2-D (FSDP over TP) shards gather in two steps and DTensor logs that this is slow;
-    # once per checkpoint it does not matter.
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, log.level = log.level, logging.ERROR
-    try:
-        mine = [(k, v) for m in modules for k, v in getattr(m, "module", m).state_dict().items()]  # (DDP's wrapper)
-        if sends:
-            dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in mine]], dst=0)
-        for k, v in mine:
-            if sends:
-                # CUDA path: tests/test_model_parallel.py::test_save_weights_sends_one_tensor_at_a_time takes this
-                # handshake on CPU. It is for NCCL: there dist.send returns at once and the sent tensor stays
-                # allocated until rank 0's matching recv, which comes only after rank 0 has gathered its own
-                # stage; a sender that did not wait held its whole stage gathered (8b over 2 stages: ~14 GB
-                # more). gloo's send blocks until received, which hid it on CPU.
-                _ready_for_next(ctx)
-            v = v.full_tensor() if isinstance(v, DTensor) else v  # every rank of the stage takes part
-            if out is not None:
-                out[k] = v.detach().cpu()
-            elif sends:
-                v = v.detach().to(ctx.device).contiguous()
-                IN_FLIGHT["bytes"] += v.numel() * v.element_size()
-                IN_FLIGHT["peak_bytes"] = max(IN_FLIGHT["peak_bytes"], IN_FLIGHT["bytes"])
-                dist.send(v, dst=0)
-            del v
-    finally:
-        log.setLevel(level)
-    if out is not None:
-        ready = torch.ones(1, dtype=torch.int32, device=ctx.device)
-        for src in range(per_stage, ctx.world_size, per_stage):
-            box = [None]
-            dist.recv_object_list(box, src=src)
-            for k, shape, dtype in box[0]:
-                dist.send(ready, dst=src)
-                buf = torch.empty(shape, dtype=dtype, device=ctx.device)
-                dist.recv(buf, src=src)
-                out[k] = buf.cpu()  # (on a GPU, waits for the data: only then is the next "ready" sent)
-    return out
-
-
-def save_full_weights(modules: list[torch.nn.Module], ctx, path, pp: int = 1):
-    """``full_state_dict`` then ``torch.save`` on rank 0: the checkpoint a single process can load."""
-    state = full_state_dict(modules, ctx, pp)
-    if state is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)

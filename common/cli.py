@@ -216,7 +216,7 @@ def _check_it_can_fit(args):
 
     import torch
 
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     from common.model import count_params
     need = 16 * count_params(args.model_config)
     nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))

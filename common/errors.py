@@ -130,7 +130,7 @@ def main_guard(fn):
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        # A Ctrl-C: common/checkpoint.py turns it into a stop agreed by every rank during the
+        # A Ctrl-C: common/checkpoint_signals.py turns it into a stop agreed by every rank during the
         # training steps; elsewhere, this handler's KeyboardInterrupt.
         main = threading.current_thread() is threading.main_thread()
         before = signal.signal(signal.SIGINT, _on_ctrl_c) if main else None

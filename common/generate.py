@@ -103,7 +103,7 @@ def codec_for(found: Weights, tokenizer: str | None = None) -> Codec:
 
 def _weights_source(path: Path) -> tuple[Path, dict]:
     """(weights.pt or a checkpoint folder, the run's settings: model, model_config, seq_len)."""
-    from common.checkpoint import complete_checkpoints, read_meta
+    from common.checkpoint_meta import complete_checkpoints, read_meta
 
     path = Path(path)
     if path.is_file():  # OUT/weights.pt given directly, or a file of `python -m common.checkpoint export`

@@ -33,16 +33,20 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from common import cli
-from common.checkpoint import Checkpointer, lock_out, save_full_weights, skip_nonfinite_step, unlock_out
+from common.checkpoint import Checkpointer, skip_nonfinite_step
 from common.data import pins_for
 from common.distributed import launch_hint
 from common.errors import UserError
 from common.measure import theory
+from common.measure.byte_units import fmt_bytes
 from common.measure.comm import CommCounter, print_comm
-from common.measure.memory import MemoryTracer, StepCollector, fmt_bytes
+from common.measure.memory import MemoryTracer
 from common.measure.metrics import Metrics
 from common.measure.profile import Profile, profile_steps
+from common.measure.step_gc import StepCollector
+from common.run_folder import lock_out, unlock_out
 from common.training import optimizer_kernels
+from common.weights import save_full_weights
 
 
 class Run:

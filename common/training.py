@@ -69,7 +69,7 @@ def param_groups_by_kind(params) -> list[dict]:
     DTensor"). Layouts mix them: TP without sequence parallelism leaves the norms plain,
     2-D and 3-D at dp 1 skip FSDP, EP keeps its experts on a mesh of their own. Groups
     keep the fast kernels (one batch per group) on every layout. A checkpoint stores each
-    parameter's optimizer state under its name (common/checkpoint.py), so a layout with
+    parameter's optimizer state under its name (common/checkpoint_state.py), so a layout with
     two groups resumes one with a single group, and back.
 
     On a CPU PyTorch takes the one-tensor-at-a-time loop, where the mix never shows;

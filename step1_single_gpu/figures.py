@@ -11,7 +11,7 @@ import sys
 
 from common import ROOT
 from common.errors import UserError
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from tools.figure_runs import Run, run_dir, summary
 
 # ---- chapter 1: the single-device baseline --------------------------------------------

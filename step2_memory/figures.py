@@ -13,7 +13,7 @@ import json
 
 from common import ROOT
 from common.errors import UserError
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from tools.figure_runs import Run, run_dir, summary, this_device, tool_block
 
 # ---- chapter 2: memory savers on one device -------------------------------------------

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from common import ROOT
-from common.measure.memory import fmt_bytes
-from common.measure.theory import Plan, predict
+from common.measure.byte_units import fmt_bytes
+from common.measure.plan import Plan
+from common.measure.theory import predict
 from common.model import get_config
 
 DEGREES = (1, 2, 4)

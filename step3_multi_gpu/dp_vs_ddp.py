@@ -45,7 +45,7 @@ from common import cli
 from common.data import Batches, load_corpus
 from common.distributed import distributed
 from common.errors import UserError, main_guard
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from common.measure.metrics import Metrics
 from common.model import build_model, count_params
 from common.training import adamw, lr_schedule

@@ -75,8 +75,9 @@ def tokens_figure(runs: Path, out: Path) -> str:
 
 
 def ep_table(runs: Path) -> str:
-    from common.measure.memory import fmt_bytes
-    from common.measure.theory import Plan, predict
+    from common.measure.byte_units import fmt_bytes
+    from common.measure.plan import Plan
+    from common.measure.theory import predict
     from common.model import ModelConfig
     from common.parallelize.ep import ep_bytes_per_step
 

@@ -244,7 +244,8 @@ def chapter3_bf16_ac(suffix: str = "") -> dict[str, str]:
 
 def dry_run_table(suffix: str = "") -> dict[str, str]:
     """The 1b dry run's rank against the formulas: per category, predicted and measured."""
-    from common.measure.memory import CATEGORIES, fmt_bytes
+    from common.measure.byte_units import fmt_bytes
+    from common.measure.memory_categories import CATEGORIES
     path = run_dir(DRY_RUN, suffix) / "summary.json"
     if not path.exists():
         print(f"skipped the dry-run table: {path} is missing", flush=True)
@@ -256,7 +257,8 @@ def dry_run_table(suffix: str = "") -> dict[str, str]:
 def dry_run_md(s: dict, head: str) -> str:
     """A dry run's summary.json as a table: per category and per collective, what theory.py
     predicts for its rank beside what the rank held and sent; its peak and step time below."""
-    from common.measure.memory import CATEGORIES, fmt_bytes
+    from common.measure.byte_units import fmt_bytes
+    from common.measure.memory_categories import CATEGORIES
     (mem,), (pred,) = s["memory"], s["predicted"]["per_rank"]
     lines = [f"| {head} | predicted (theory.py) | measured (dry run) |", "|---|---|---|"]
     for c in CATEGORIES:

@@ -26,7 +26,7 @@ The functions here make them exact for the tests, to the byte:
 """
 from __future__ import annotations
 
-# The formulas live in common/measure/theory.py (one definition each); this module holds the
+# The formulas live in common/measure/formulas.py (one definition each); this module holds the
 # chapter's table.
 
 
@@ -60,7 +60,7 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
     import json
     from pathlib import Path
 
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
 
     lines = ["| strategy | model state per rank: formula | = | measured (rank 0) | ratio | peak per rank "
              "| sent per rank per step: formula | = | measured (logical bytes) | ratio | a ring sends |",
@@ -132,7 +132,7 @@ def chapter3b_table(runs_dir, names: list[str], single=None) -> str:
     from pathlib import Path
 
     from common.measure.comm import sent_per_step
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     from common.model import ModelConfig, count_params
 
     def span(values, fmt=fmt_bytes):

@@ -32,7 +32,7 @@ from common.data import Batches, load_corpus
 from common.distributed import distributed_for
 from common.errors import main_guard
 from common.measure.pipeline import ComputeTimer, bubble_report
-from common.measure.theory import stage_layers
+from common.measure.splits import stage_layers
 from common.parallelize.ac import apply_ac
 from common.parallelize.compile import apply_compile
 from common.parallelize.pp import (add_pp_flags, build_stage, check_no_accum, check_pp, last_stage_rank, loss_fn,

@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 
 from common import ROOT  # noqa: E402
 

@@ -30,7 +30,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.checkpoint import Checkpointer, complete_checkpoints, export, skip_nonfinite_step
+from common.checkpoint import Checkpointer, skip_nonfinite_step
+from common.checkpoint_meta import complete_checkpoints
+from common.weights import export
 from common.data import load_corpus
 from common.distributed import distributed
 from common.errors import UserError
@@ -356,8 +358,8 @@ def test_preempted_runs_stop_together_save_and_resume_exactly(jobs, tmp_path):
 def test_async_checkpoints_resume_exactly_and_stage_the_predicted_bytes(jobs, tmp_path):
     """--ckpt-async: the same checkpoints (declared only once written), a --resume from one and
     a restart after rank 1 crashed give the losses and final weights of the synchronous run,
-    bit for bit; the host copy is this rank's state, as common/measure/theory.py says."""
-    from common.measure.theory import ckpt_staging_bytes
+    bit for bit; the host copy is this rank's state, as common/measure/formulas.py says."""
+    from common.measure.formulas import ckpt_staging_bytes
     e = jobs.elastic
     assert e["ddp_async"]["losses"] == e["ddp"]["losses"]
     assert e["ddp_async"]["checkpoints"] == e["ddp"]["checkpoints"] == ["step_00000001", "step_00000003",
@@ -384,8 +386,8 @@ def test_the_memory_trace_counts_the_async_host_copy(jobs):
     a category "checkpoint staging" whose peak is exactly the formula's bytes (DCP's stager
     copies each tensor's whole storage, and under DDP a storage is a tensor), and theory's
     report holds it to them; the same run written synchronously has no such category."""
-    from common.measure.memory import CATEGORIES, STAGING
-    from common.measure.theory import ckpt_staging_bytes
+    from common.measure.memory_categories import CATEGORIES, STAGING
+    from common.measure.formulas import ckpt_staging_bytes
     async_run, sync_run = (json.loads((jobs.folder / n / "summary.json").read_text()) for n in ("ddp_async", "ddp"))
     assert [m["rank"] for m in async_run["memory"]] == [0, 1]
     for m, p in zip(async_run["memory"], async_run["predicted"]["per_rank"]):

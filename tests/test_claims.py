@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.measure import theory
+from common.measure import formulas, splits, theory
+from common.measure.plan import Plan
 from common.measure.comm import RING_FACTOR
 from tools.estimate import trace
 from common.model import get_config
@@ -112,9 +113,9 @@ def test_checkpoint_wrapper_renames_parameters_but_not_state_dict_keys():
 
 
 def _sent(strategy: str, cfg, world: int, broadcast_factor) -> tuple[int, float]:
-    """(logical, on-the-wire) bytes a rank sends per step: common/measure/theory.py's counts, and
+    """(logical, on-the-wire) bytes a rank sends per step: common/measure/formulas.py's counts, and
     common/measure/comm.py's ring factors (a broadcast as given: each rank is root for 1/W)."""
-    logical = theory.comm_bytes(strategy, cfg, world)
+    logical = formulas.comm_bytes(strategy, cfg, world)
     factors = dict(RING_FACTOR, broadcast=broadcast_factor)
     return sum(logical.values()), sum(v * factors[k.split(" (")[0]](world) for k, v in logical.items())
 
@@ -146,7 +147,7 @@ def test_zero_savings_depend_on_what_a_parameter_holds():
     bytes) ZeRO-1 saves under 2x however many ranks; with the paper's 2 + 2 + 12 it nears 4x."""
     cfg = get_config("small")
     for w in (4, 64, 1024):
-        ddp, z1 = (sum(theory.model_state(s, cfg, w).values()) for s in ("ddp", "zero1"))
+        ddp, z1 = (sum(formulas.model_state(s, cfg, w).values()) for s in ("ddp", "zero1"))
         paper = 16 / (2 + 2 + 12 / w)
         print(f"W={w}: ZeRO-1 saves {ddp / z1:.2f}x here, {paper:.2f}x with the paper's bytes")
         assert ddp / z1 < 2 and (w < 64 or paper > 3.7)
@@ -159,7 +160,7 @@ def test_sequence_parallel_activations_are_not_a_quarter():
     cfg = get_config("small", n_layers=8)
     act = {}
     for name, kw in (("single", {}), ("tp", {"tp": W}), ("tp_sp", {"tp": W, "sequence_parallel": True})):
-        plan = theory.Plan(cfg, "tp" if kw else "single", world=W if kw else 1, batch=8, seq_len=64, **kw)
+        plan = Plan(cfg, "tp" if kw else "single", world=W if kw else 1, batch=8, seq_len=64, **kw)
         act[name] = trace(plan)["activations"]
         assert act[name] == pytest.approx(theory.predict(plan)["activations"], rel=0.01), name
     ratio = act["tp_sp"] / act["single"]
@@ -172,7 +173,7 @@ def test_a_128k_vocabulary_output_layer_in_transformer_layers():
     2.4 of the 8B's transformer layers and 4.3 of the 1B's."""
     got = {}
     for name in ("8b", "1b"):
-        shapes = theory.param_shapes(get_config(name, vocab_size=128256))
+        shapes = splits.param_shapes(get_config(name, vocab_size=128256))
         layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers.0."))
         got[name] = math.prod(shapes["output.weight"]) / layer
     print({k: f"{v:.2f} layers" for k, v in got.items()})
@@ -227,7 +228,7 @@ def test_deepspeed_persistence_threshold_leaves_the_mlp_sharded():
     """deepspeed.md: ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5
     elements by default) whole on every rank. In `small` the twelve MLP matrices (w1, w2, w3
     of 4 blocks, 196,608 elements each, 72% of the parameters) are above it and sharded."""
-    shapes = theory.param_shapes(get_config("small"))
+    shapes = splits.param_shapes(get_config("small"))
     sizes = {k: math.prod(s) for k, s in shapes.items()}
     big = {k: n for k, n in sizes.items() if n >= 1e5}
     share = sum(big.values()) / sum(sizes.values())
@@ -364,7 +365,7 @@ def test_torchtitan_per_op_sac_recompute():
     share = per_op_sac_flops(cfg) / (2 * layer_matmul_params(cfg))
     m = GPUS["torchtitan"]
     ms = 2 * 8192 * cfg.n_layers * per_op_sac_flops(cfg) / m.matmul_rate("bf16") * 1e3
-    plan = theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+    plan = Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", ac="selective",
                        device="cuda")
     ours = step_time(plan, m)["recompute"] * 1e3
     theirs = step_time(replace(plan, ac="selective-op"), m)["recompute"] * 1e3
@@ -385,7 +386,7 @@ def test_torchtitan_fsdp_tp_row_at_its_published_settings():
     p = row["plan"]
     assert (p.world, p.tp, p.dp, p.batch, p.seq_len, p.ac, p.sequence_parallel) == (64, 8, 8, 96, 8192,
                                                                                    "selective-op", True)
-    old = step_time(theory.Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+    old = step_time(Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
                                 device="cuda", optimizer="foreach"), GPUS["torchtitan"])
     t = row["time"]
     print(f"ours {row['ours']:,.0f} against {row['theirs']:,} ({row['ours'] / row['theirs']:.2f}x); exposed "
@@ -473,7 +474,7 @@ def test_step_time_numbers_will_it_fit_quotes():
     from common.model import flops_per_token
     from tools.plan import torchtitan_rows
     cfg = get_config("8b", vocab_size=128256, max_seq_len=8192)
-    ms = {k: step_time(theory.Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
+    ms = {k: step_time(Plan(cfg, "fsdp_zero3", world=8, batch=16, seq_len=8192, dtype="bf16", device="cuda",
                                    optimizer=k), GPUS["torchtitan"])["optimizer"] * 1e3 for k in ("foreach", "fused")}
     more = flops_per_token(cfg, 8192) / model_flops_per_token(cfg, 8192) - 1
     rows = {r["what"]: r for r in torchtitan_rows()}

@@ -214,7 +214,7 @@ def test_dp_vs_ddp_explains_and_exits_cleanly_without_gpus():
     assert out.startswith("dp_vs_ddp compares nn.DataParallel with DDP on 2 or more CUDA GPUs; this run is on CPU, ")
     assert "so there is nothing to time here." in out.splitlines()[0]
     w = 4 * count_params(get_config("small"))
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     assert f"W = {fmt_bytes(w)} of fp32 weights) on n = 4 GPUs" in out
     assert f"(n-1) W = {fmt_bytes(3 * w)}" in out and f"2(n-1) W = {fmt_bytes(6 * w)}" in out
     assert "python step3_multi_gpu/dp_vs_ddp.py" in out

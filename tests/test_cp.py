@@ -6,7 +6,7 @@ Two torchrun jobs (2 and 4 ranks, tests/drivers/cp.py), started together once pe
 - parity: every step's loss and gradient norm, and the final weights, match the
   single-process step 1 loop on the same global batch (fp32); bf16 against one device's bf16;
 - bytes: the ring's sends and receives, the gradients' all-reduce and the loss's, per step,
-  equal theory.cp_bytes_per_step (activation checkpointing and accumulation included);
+  equal formulas.cp_bytes_per_step (activation checkpointing and accumulation included);
 - memory: each rank's traced activations are theory's (activations of seq/cp tokens) and
   fall with the degree;
 - bad input: one sentence on every rank and exit code 2.
@@ -22,7 +22,9 @@ import pytest
 
 from common import ROOT
 from common.model import count_params, get_config
-from common.measure.theory import Plan, cp_bytes_per_step, predict
+from common.measure.formulas import cp_bytes_per_step
+from common.measure.plan import Plan
+from common.measure.theory import predict
 from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
 import launch
@@ -118,7 +120,7 @@ def test_bf16_matches_the_one_device_bf16_run(runs):
 
 
 def plan_of(n: int, name: str) -> Plan:
-    """The theory.py plan of a case, read from its flags."""
+    """The Plan (common/measure/plan.py) of a case, read from its flags."""
     flags = next(c for c in CASES[n] if c["name"] == name)["flags"]
     value = {a: b for a, b in zip(flags, flags[1:])}  # the last value of each flag wins, as in argparse
     dp = int(value.get("--dp", 1))

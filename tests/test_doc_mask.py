@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.checkpoint import config_differences
+from common.checkpoint_meta import config_differences
 from common.data import Batches, load_corpus
 from common.model import build_model, document_mask, get_config, kv_for_kernel, set_doc_mask
 import launch

@@ -24,7 +24,8 @@ import time
 import pytest
 
 from common import ROOT
-from common.measure.theory import Plan, predict
+from common.measure.plan import Plan
+from common.measure.theory import predict
 from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
 import launch
@@ -227,7 +228,7 @@ def test_a_dry_run_assumes_even_routing(runs, dry, name):
 def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
     """The trace held to the CPU allocator's own count on every rank, and on the dry run
     of the case where there is one: the peaks within 1% (the all-to-alls' buffers inside
-    gloo are counted apart: common/measure/memory.py, _AllocatorView)."""
+    gloo are counted apart: common/measure/allocator_count.py, _AllocatorView)."""
     mems = runs[n][name]["summary"]["memory"] + (dry[name]["memory"] if name in DRY else [])
     assert len(mems) == n + (name in DRY)
     for m in mems:

@@ -1,12 +1,14 @@
-"""common/measure/theory.py and tools/estimate.py: the formulas by hand, against the memory tracer
-(on real CPU tensors and under FakeTensorMode with a fake process group), and bad input."""
+"""common/measure/theory.py (adding up formulas.py) and tools/estimate.py: the formulas by hand,
+against the memory tracer (on real CPU tensors and under FakeTensorMode with a fake process
+group), and bad input."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from common.measure import theory
+from common.measure import formulas, splits, theory
+from common.measure.plan import Plan
 from tools.estimate import main as estimate_main, trace
 from common.model import count_params, get_config
 import launch
@@ -29,7 +31,7 @@ def step1(tmp_path_factory):
 
 
 def test_formulas_equal_hand_computed_bytes(step1):
-    p = theory.predict(theory.Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
+    p = theory.predict(Plan(DEBUG, "ddp", world=4, batch=8, seq_len=32))
     assert p["parameters"] == p["gradients"] == 4 * N and p["optimizer state"] == 8 * N + 4 * T
     # 2 sequences x 32 tokens per rank; per token and layer 4(8d + 2kv + 4f + h + 2) bytes; the
     # head 12d + 4 + 4V (log-probs: train_ddp.py asks the model for the loss, nothing holds the
@@ -37,14 +39,14 @@ def test_formulas_equal_hand_computed_bytes(step1):
     d, kv, f, h, v = 64, 32, 192, 4, 256
     assert p["activations"] == 64 * (4 * 4 * (8 * d + 2 * kv + 4 * f + h + 2) + 12 * d + 4 + 4 * v + 16)
     assert p["comm"] == {"all_reduce": 4 * N}
-    z3 = theory.predict(theory.Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
+    z3 = theory.predict(Plan(DEBUG, "fsdp", world=4, batch=8, seq_len=32))
     assert z3["parameters"] == 4 * N // 4 and z3["optimizer state"] == 8 * N // 4 + 4 * T  # debug splits evenly
-    ac = theory.predict(theory.Plan(DEBUG, "single", batch=2, seq_len=32, ac="full"))
+    ac = theory.predict(Plan(DEBUG, "single", batch=2, seq_len=32, ac="full"))
     assert ac["activations"] == 64 * (4 * 4 * d + 12 * d + 4 + 8 * v + 16)
     # 8b on 4 x 80 GB: FSDP fits, DDP does not (16 bytes x 7B parameters alone is 104 GiB)
     big = get_config("8b")
-    ddp = theory.predict(theory.Plan(big, "ddp", world=4, batch=4, seq_len=2048, dtype="bf16"))
-    fsdp = theory.predict(theory.Plan(big, "fsdp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    ddp = theory.predict(Plan(big, "ddp", world=4, batch=4, seq_len=2048, dtype="bf16"))
+    fsdp = theory.predict(Plan(big, "fsdp", world=4, batch=4, seq_len=2048, dtype="bf16"))
     assert ddp["peak"] > 80 * 2**30 > fsdp["peak"]
 
 
@@ -70,7 +72,7 @@ def test_step1_prints_and_stores_the_prediction_beside_the_measurement(step1):
         "single-bf16-ac", "tp-sac", "cp", "single-bf16-sac-op", "ddp-chunks", "fsdp-bf16-savers"])
 def test_trace_agrees_with_the_formula(strategy, world, kw):
     for cfg in (DEBUG, SMALL) if strategy == "single" else (DEBUG,):
-        plan = theory.Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
+        plan = Plan(cfg, strategy, world=world, batch=2 * world, seq_len=64, **kw)
         f, t = theory.predict(plan), trace(plan)
         for c in ("parameters", "optimizer state"):
             assert t[c] == pytest.approx(f[c], rel=0.01), (cfg, c)
@@ -84,7 +86,7 @@ def test_trace_agrees_with_the_formula(strategy, world, kw):
 def test_pipeline_trace_replays_the_schedule_on_the_fullest_stage(schedule):
     """GPipe keeps every micro-batch in flight on every stage, so the last stage (it adds the
     output layer and the loss) is the fullest; 1F1B keeps p - s, so the first stage is."""
-    plan = theory.Plan(DEBUG, "pp", world=4, batch=8, seq_len=64, dtype="fp32", microbatches=4, schedule=schedule)
+    plan = Plan(DEBUG, "pp", world=4, batch=8, seq_len=64, dtype="fp32", microbatches=4, schedule=schedule)
     t = trace(plan)
     assert t["rank"] == (3 if schedule == "gpipe" else 0)
     f = theory.predict(plan, t["rank"])
@@ -108,7 +110,7 @@ def test_cli_table_and_one_strategy(capsys):
 def test_fits_means_under_usable_memory_not_the_card_total(capsys):
     """An "80 GB" H100 reports 79.65 GiB; the CUDA context, NCCL and the allocator need some
     of it. 8b ZeRO-1 with full AC peaks at 79.62 GiB: under the total, over what is usable."""
-    peak = theory.predict(theory.Plan(get_config("8b"), "zero1", world=4, batch=4, seq_len=2048, dtype="bf16",
+    peak = theory.predict(Plan(get_config("8b"), "zero1", world=4, batch=4, seq_len=2048, dtype="bf16",
                                       ac="full"))["peak"] / 2**30
     assert 75.65 < peak < 79.65, peak
     rows = {}
@@ -247,7 +249,7 @@ GPU_1B = {  # (dtype, ac): allocator peak in GiB, the GPU
 def test_cuda_formula_within_3_percent_of_the_gpu_allocator(dtype, ac):
     from tools.estimate import GPU_1B_PEAKS
     assert GPU_1B_PEAKS == GPU_1B  # the README's table quotes the estimator's copy: the same numbers
-    plan = theory.Plan(get_config("1b"), "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device="cuda")
+    plan = Plan(get_config("1b"), "single", batch=4, seq_len=2048, dtype=dtype, ac=ac, device="cuda")
     p = theory.predict(plan)
     measured, gpu = GPU_1B[dtype, ac]
     print(f"{dtype} AC {ac}: formula {p['peak'] / 2**30:.2f} GiB at the {p['peak_at']}, {gpu} {measured} GiB")
@@ -270,8 +272,8 @@ def test_cuda_kernels_keep_what_the_census_on_the_h200_listed():
             + 2 * f * 4)              # w1's and w3's outputs, silu's and the product
     fp32 = 4 * d * 2 + 4 + 4 + 4 * d * 3 + 4 * d * 3 + 4 * h + 4 * f * 4
     assert (bf16, fp32) == (100_488, 196_744)
-    assert theory.layer_activation_bytes(cfg, 1, "bf16", device="cuda") == bf16
-    assert theory.layer_activation_bytes(cfg, 1, "fp32", device="cuda") == fp32
+    assert formulas.layer_activation_bytes(cfg, 1, "bf16", device="cuda") == bf16
+    assert formulas.layer_activation_bytes(cfg, 1, "fp32", device="cuda") == fp32
 
 
 def test_where_the_1b_peaks_fall_and_what_is_device_specific():
@@ -282,16 +284,16 @@ def test_where_the_1b_peaks_fall_and_what_is_device_specific():
     dtypes CUDA's fused RMSNorm keeps no normalised x (4 bytes x d, twice a block)."""
     cfg, n = get_config("1b"), count_params(get_config("1b"))
     kw = dict(batch=4, seq_len=2048, dtype="bf16", ac="full")
-    cuda = theory.predict(theory.Plan(cfg, "single", device="cuda", **kw))
-    cpu = theory.predict(theory.Plan(cfg, "single", device="cpu", **kw))
+    cuda = theory.predict(Plan(cfg, "single", device="cuda", **kw))
+    cpu = theory.predict(Plan(cfg, "single", device="cpu", **kw))
     assert cuda["peak_at"] == "optimizer step" and cpu["peak_at"] == "end of backward"
     assert cuda["optimizer temporaries"] == pytest.approx(4 * n, rel=1e-6) and cpu["optimizer temporaries"] == 0
     assert cuda["peak"] == pytest.approx(20 * n, rel=1e-6)
     tokens, d, kv = 8192, cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {dev: theory.layer_activation_bytes(cfg, tokens, "fp32", device=dev) for dev in ("cpu", "cuda")}
+    per_layer = {dev: formulas.layer_activation_bytes(cfg, tokens, "fp32", device=dev) for dev in ("cpu", "cuda")}
     assert per_layer["cuda"] - per_layer["cpu"] == tokens * (4 * 2 * (d - kv) - 8 * d)
     # bf16 keeps grouped k/v on both (the flash kernels take them as they are): only the norms differ
-    bf16 = {dev: theory.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}
+    bf16 = {dev: formulas.layer_activation_bytes(cfg, tokens, "bf16", device=dev) for dev in ("cpu", "cuda")}
     assert bf16["cpu"] - bf16["cuda"] == tokens * 8 * d
 
 
@@ -302,7 +304,7 @@ def test_saved_tensor_census_of_one_block_is_the_formula(amp):
     CUDA's kernels keep; the bf16 row above is what it is for.)"""
     from tools.saved_census import census
     c = census(SMALL, 2, 128, "cpu", amp)
-    assert c["total"] == theory.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
+    assert c["total"] == formulas.layer_activation_bytes(SMALL, 256, "bf16" if amp else "fp32", device="cpu")
     d, kv, f = SMALL.dim, SMALL.n_kv_heads * SMALL.head_dim, SMALL.ffn_dim
     assert c["weight copies"] == (2 * (2 * d * d + 2 * d * kv + 3 * d * f) if amp else 0)  # the block's bf16 copies
 
@@ -316,10 +318,10 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
     the 64-row matrices are short (22, 22, 20 rows), holds fewer gradient bytes than padding."""
     kw = dict(world=3, batch=6, seq_len=32)
     state = ("parameters", "gradients", "optimizer state")
-    local = 4 * sum(theory.shard_numel(s, 3, 2) for s in theory.param_shapes(DEBUG).values())
+    local = 4 * sum(splits.shard_numel(s, 3, 2) for s in splits.param_shapes(DEBUG).values())
     for device in ("cpu", "cuda"):
-        plain = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
-        off = theory.predict(theory.Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
+        plain = theory.predict(Plan(DEBUG, "fsdp", device=device, **kw), rank=2)
+        off = theory.predict(Plan(DEBUG, "fsdp", device=device, cpu_offload=True, **kw), rank=2)
         assert all(off[c] == 0 for c in state) and off["activations"] == plain["activations"]
         assert off["transient"] == plain["transient"]  # the gathered units and their gradients
         assert off["host"] == {c: plain[c] for c in state} | ({"gradients": local} if device == "cuda" else {})
@@ -328,15 +330,15 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
         assert off["optimizer temporaries"] == 0 and off["peak_at"] != "optimizer step"
     assert local < plain["gradients"]
     # on the CPU the peak is the end of forward (no gradient yet): less the parameters and AdamW state
-    plain, off = (theory.predict(theory.Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
+    plain, off = (theory.predict(Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
     assert plain["peak_at"] == off["peak_at"] == "end of forward"
     assert off["peak"] == plain["peak"] - plain["parameters"] - plain["optimizer state"]
     with pytest.raises(ValueError, match="FSDP's"):
-        theory.Plan(DEBUG, "ddp", world=2, cpu_offload=True)
+        Plan(DEBUG, "ddp", world=2, cpu_offload=True)
 
 
 def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
-    """theory.report under --cpu-offload, on a trace's result as common/measure/memory.py
+    """theory.report under --cpu-offload, on a trace's result as common/measure/memory_result.py
     writes it: the device's model state is the trace's less the host's share, the host's is
     held beside it, and the peak is the allocator's on a GPU (the device's own: the host's
     state was never in it) but the trace less the host's share on a CPU (whose allocator
@@ -345,7 +347,7 @@ def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
 
     import torch
     args = SimpleNamespace(model_config=DEBUG, global_batch_size=4, seq_len=32)
-    host = theory.model_state("fsdp", DEBUG, 2, 0)
+    host = formulas.model_state("fsdp", DEBUG, 2, 0)
     device = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 5_000, "other": 700}
     for kind, in_trace, want in (("cuda", False, 9_100), ("cpu", True, 8_000)):
         both = {c: device[c] + host.get(c, 0) for c in device} if in_trace else device

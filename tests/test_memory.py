@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from common.measure.memory import MemoryTracer, StepCollector, render
+from common.measure.memory import MemoryTracer
+from common.measure.memory_figure import render
+from common.measure.step_gc import StepCollector
 from common.model import build_model, count_params, get_config
 from common.training import clip_grad_norm
 
@@ -100,7 +102,7 @@ def test_a_checkpoint_host_copy_is_its_own_category_freed_by_its_writer_thread(t
     step 2; the other categories are those of a run without it, and so is a trace without it."""
     import threading
 
-    from common.measure.memory import CATEGORIES, STAGING
+    from common.measure.memory_categories import CATEGORIES, STAGING
     held, done = {}, threading.Event()
 
     def checkpoint(step, tracer, model, opt):
@@ -193,12 +195,12 @@ def _mem(ts, addr, nbytes, tid=1):
 
 
 def test_the_cpu_count_keeps_gloos_buffers_apart_and_survives_frees_it_never_saw():
-    """The CPU allocator's count from a profiler trace (common/measure/memory.py, _cpu_count):
+    """The CPU allocator's count from a profiler trace (common/measure/allocator_count.py, _cpu_count):
     a block allocated inside a c10d op, or on another thread (gloo's worker), is gloo's own (kept
     out of the peak, its size reported),
     whether or not its free was seen; a block whose address comes back before its free was
     seen was freed by a thread the profiler does not record, and leaves the count there."""
-    from common.measure.memory import _cpu_count
+    from common.measure.allocator_count import _cpu_count
     events = [
         {"ph": "X", "name": "c10d::_allgather_base_", "tid": 1, "ts": 10, "dur": 5},
         {"ph": "X", "name": "c10d::send", "tid": 2, "ts": 18, "dur": 5},  # (another thread's: no span)
@@ -220,7 +222,7 @@ def test_the_cpu_count_names_what_the_trace_did_not_see_at_its_peak():
     """At the allocator's peak, the blocks the trace never saw (no tensor an op returned had
     their address while they held it), by the innermost op that allocated them: a matmul's
     workspace is what separates the two peaks, whatever its size on this CPU."""
-    from common.measure.memory import _cpu_count
+    from common.measure.allocator_count import _cpu_count
     events = [
         {"ph": "X", "name": "aten::linear", "tid": 1, "ts": 10, "dur": 10},
         {"ph": "X", "name": "aten::mm", "tid": 1, "ts": 11, "dur": 8},

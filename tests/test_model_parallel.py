@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from common.model import Transformer, get_config  # noqa: E402
 from common.parallelize.pp import bubble_formula, simulate_schedule  # noqa: E402
-from common.measure.theory import stage_layers, tp_bytes_per_step  # noqa: E402
+from common.measure.formulas import tp_bytes_per_step  # noqa: E402
+from common.measure.splits import stage_layers  # noqa: E402
 import launch
 from conftest import hang_limit  # noqa: E402
 from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
@@ -250,7 +251,7 @@ def test_save_weights_sends_one_tensor_at_a_time(runs, n, name):
     at most one gathered tensor is on its way at any time. On NCCL a send returns before
     the data leaves and holds the tensor until rank 0 receives it, which it does only after
     gathering its own stage: without the handshake the sender held its whole stage (8b over
-    2 stages: ~14 GB). gloo's send blocks, so the count is our code's (checkpoint.IN_FLIGHT:
+    2 stages: ~14 GB). gloo's send blocks, so the count is our code's (weights.IN_FLIGHT:
     bytes gathered since the last "ready"), and the readies are counted by the driver."""
     r = result(runs, n, name)
     assert r["exit_code"] == 0, r["stderr_tail"]
@@ -436,7 +437,7 @@ def test_estimator_trace_of_each_stage_matches_the_real_pipeline(runs, name, n_l
     activations and the peak within 10% (the replay's stand-ins for the neighbours' tensors
     are not the schedule's own buffers)."""
     from tools.estimate import trace
-    from common.measure.theory import Plan
+    from common.measure.plan import Plan
     plan = Plan(get_config("debug", n_layers=n_layers), "pp", world=4, batch=BATCH, seq_len=SEQ, dtype="fp32",
                 microbatches=m, schedule="gpipe")
     for real in result(runs, 4, name)["summary"]["memory"]:

@@ -13,7 +13,7 @@ import pytest
 
 from common.measure.steptime import (DDP_BUCKET_BYTES, Link, Machine, collective_time, head_flops, layer_flops,
                                      layer_matmul_params, ring_factor, step_time)
-from common.measure.theory import Plan
+from common.measure.plan import Plan
 from common import ROOT
 from common.model import count_params, get_config
 
@@ -324,7 +324,7 @@ def test_per_op_sac_recomputes_every_second_matmul():
     of a block (wq, wv, w1, w2) and recomputes wk, wo and w3: 2 (d kv + d^2 + d f) FLOPs a token
     and block, charged at the matmul rate, on top of memory-bound passes over what it drops."""
     from common.measure.steptime import per_op_sac_flops, recompute_flops
-    from common.measure.theory import layer_activation_bytes
+    from common.measure.formulas import layer_activation_bytes
     cfg = get_config("8b")
     d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     assert per_op_sac_flops(cfg) == recompute_flops(cfg, 8192, "selective-op") == 2 * (d * kv + d * d + d * f)

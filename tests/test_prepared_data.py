@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from common import cli, prepared
-from common.checkpoint import config_differences, read_meta
+from common.checkpoint_meta import config_differences, read_meta
 from common.data import Batches, load_corpus
 from common.errors import UserError
 from common.hf import byte_chars
@@ -512,7 +512,7 @@ def test_the_data_benchmark_prints_each_runs_memory_and_wait(tmp_path):
     assert "the shards dropped from the file cache before each run" in lines[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if re.match(r"\| [\d,]+ \|", line)]
     assert len(rows) == 2
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     kept = json.loads((tmp_path / "bench_data.json").read_text())
     for n, row, k in zip((200_000, 1_000_000), rows, kept, strict=True):
         meta = json.loads((tmp_path / f"data_{n}" / "meta.json").read_text())

@@ -207,7 +207,7 @@ def test_slurm_script_launches_what_torchrun_and_the_script_accept(capsys):
 def synthetic_runs(tmp_path):
     """Two run folders with made-up summaries and 2-rank traces."""
     import json
-    from common.measure.memory import CATEGORIES
+    from common.measure.memory_categories import CATEGORIES
     folders = []
     for k, scale in enumerate((1.0, 0.5)):
         folder = tmp_path / f"run{k}"

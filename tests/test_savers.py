@@ -10,6 +10,7 @@ import torch
 
 from common import cli
 from common.measure import theory
+from common.measure.plan import Plan
 from common.model import build_model, get_config, set_loss_chunks
 from common.parallelize.ac import apply_ac
 
@@ -60,7 +61,7 @@ def test_chunked_loss_under_autocast_is_the_plain_loss_to_bf16_rounding():
 
 def test_every_second_matmul_policy_recomputes_to_the_same_gradients_and_keeps_the_formulas_bytes():
     """--ac selective-op: the losses and gradients of no checkpointing, and per block what
-    theory.layer_activation_bytes says, measured by the tracer under FakeTensorMode (the
+    formulas.layer_activation_bytes says, measured by the tracer under FakeTensorMode (the
     activations of selective-op, less those of selective, are exactly the three matmul
     outputs it drops: wk, wo and w3)."""
     from tools.estimate import trace
@@ -73,7 +74,7 @@ def test_every_second_matmul_policy_recomputes_to_the_same_gradients_and_keeps_t
     for name in ref:
         assert torch.allclose(got[name], ref[name], rtol=1e-6, atol=1e-8), name
     cfg = get_config("small")
-    plans = {ac: theory.Plan(cfg, "single", batch=2, seq_len=64, ac=ac) for ac in ("selective", "selective-op")}
+    plans = {ac: Plan(cfg, "single", batch=2, seq_len=64, ac=ac) for ac in ("selective", "selective-op")}
     traced = {ac: trace(p)["activations"] for ac, p in plans.items()}
     formula = {ac: theory.predict(p)["activations"] for ac, p in plans.items()}
     d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
@@ -104,9 +105,9 @@ def test_the_8b_layout_fits_under_torchtitans_compiled_peak_by_the_formula():
     """The formula, every layer (the trace of the whole model is tools.estimate's --trace, 30 s on
     two free cores: README/will_it_fit.md shows it). Without the savers it is far over."""
     cfg = get_config("8b", vocab_size=128256)
-    before = theory.predict(theory.Plan(cfg, "fsdp", ac="selective", loss_chunks=1, **LAYOUT))
-    after = theory.predict(theory.Plan(cfg, "fsdp", ac="selective", **SAVERS, **LAYOUT))
-    op = theory.predict(theory.Plan(cfg, "fsdp", ac="selective-op", **SAVERS, **LAYOUT))
+    before = theory.predict(Plan(cfg, "fsdp", ac="selective", loss_chunks=1, **LAYOUT))
+    after = theory.predict(Plan(cfg, "fsdp", ac="selective", **SAVERS, **LAYOUT))
+    op = theory.predict(Plan(cfg, "fsdp", ac="selective-op", **SAVERS, **LAYOUT))
     assert before["peak"] > TORCHTITAN_COMPILED_GIB * GiB > after["peak"] > op["peak"]
     assert before["peak_at"] == "loss backward"  # the (tokens, vocab) gradients decide it
 
@@ -118,12 +119,12 @@ def test_the_8b_layout_under_the_trace_fits_and_is_the_formula():
     the two (tokens, vocabulary) fp32 gradients beside the log-probabilities, to the formula."""
     from tools.estimate import trace
     cfg = get_config("8b", vocab_size=128256)
-    plan = theory.Plan(cfg, "fsdp", ac="selective", **SAVERS, **LAYOUT)
+    plan = Plan(cfg, "fsdp", ac="selective", **SAVERS, **LAYOUT)
     t, f = trace(plan), theory.predict(plan)
     print(f"with the savers: trace {t['peak'] / GiB:.2f} GiB, formula {f['peak'] / GiB:.2f} GiB at the {f['peak_at']}")
     assert t["peak"] <= TORCHTITAN_COMPILED_GIB * GiB
     assert t["peak"] == pytest.approx(f["peak"], rel=0.03)
-    head = theory.Plan(get_config("8b", vocab_size=128256, n_layers=2), "fsdp", ac="selective", **LAYOUT)
+    head = Plan(get_config("8b", vocab_size=128256, n_layers=2), "fsdp", ac="selective", **LAYOUT)
     t, f = trace(head), theory.predict(head)
     print(f"2 layers, plain loss: trace {t['peak'] / GiB:.2f} GiB, formula {f['peak'] / GiB:.2f} GiB at the "
           f"{f['peak_at']}")

@@ -88,15 +88,15 @@ TRACED = {  # name: (script, flags); each traces one step (step 1) and skips the
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, one_thread):
     """The runs several tests look at, made once: {name: (metrics rows, trace, out dir)}."""
-    import common.measure.memory
+    import common.measure.memory_result
 
     out = tmp_path_factory.mktemp("traced")
     results = {}
-    render = common.measure.memory.render
+    render = common.measure.memory_result.render
     with pytest.MonkeyPatch.context() as mp:
         for name, (script, flags) in TRACED.items():
             # One figure is enough to see that it is drawn; matplotlib costs seconds.
-            mp.setattr(common.measure.memory, "render", render if name == "bf16" else lambda *a, **k: None)
+            mp.setattr(common.measure.memory_result, "render", render if name == "bf16" else lambda *a, **k: None)
             folder = out / name.replace(" ", "_").replace("+", "_")
             rows, trace = run_main(mp, script, folder, "--trace-steps", "1", "--eval-batches", "0", *flags)
             results[name] = rows, trace, folder

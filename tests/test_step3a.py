@@ -16,7 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 import launch  # noqa: E402
 
-from common.measure.theory import comm_bytes, model_state, padded_shard_numel, param_shapes, unsharded_bytes  # noqa: E402
+from common.measure.formulas import comm_bytes, model_state, unsharded_bytes  # noqa: E402
+from common.measure.splits import padded_shard_numel, param_shapes  # noqa: E402
 from common.model import count_params, get_config  # noqa: E402
 from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
 

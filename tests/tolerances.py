@@ -37,7 +37,7 @@ def check_bf16_parity(name: str, got: list[float], ref16: list[float], ref32: li
 
 def check_allocator(mem: dict, what) -> None:
     """One rank's trace against the CPU allocator's own count of the same steps
-    (common/measure/memory.py, _AllocatorView): never above it by more than 1%, and below it
+    (common/measure/allocator_count.py, _AllocatorView): never above it by more than 1%, and below it
     by no more than 1% of what the allocator held at its peak that the trace saw. The rest is
     named by the count, with the op that allocated it (``allocator_unseen_at_peak``): blocks
     no op returned, such as the workspace a CPU's bf16 matmul keeps inside the op or a

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file
 
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.memory import fmt_bytes  # noqa: E402
+from common.measure.byte_units import fmt_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

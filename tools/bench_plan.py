@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.errors import UserError, main_guard  # noqa: E402
 from common.measure.cpuload import OtherLoad  # noqa: E402
 from common.measure.steptime import ALL_TERMS, load_calibration, step_time  # noqa: E402
-from common.measure.theory import Plan  # noqa: E402
+from common.measure.plan import Plan  # noqa: E402
 from common.model import get_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

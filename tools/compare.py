@@ -3,7 +3,7 @@
     python -m tools.compare runs/train_ddp runs/train_fsdp --labels DDP,FSDP --out runs/compare
 
 A run folder holds ``summary.json``, ``metrics.jsonl`` and ``memory_trace.json`` (see
-common/measure/metrics.py and common/measure/memory.py); everything here reads only those, so a figure or
+common/measure/metrics.py and common/measure/memory_result.py); everything here reads only those, so a figure or
 a table in the README is always a function of real runs. It draws
 
 - ``memory_timelines.png``: one panel per run on ONE y scale; rank 0's memory stacked by
@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.measure.comm import sent_per_step
 from common.errors import UserError, main_guard
-from common.measure.memory import COLORS, byte_unit, categories, fmt_bytes, render, stack_order
+from common.measure.byte_units import byte_unit, fmt_bytes
+from common.measure.memory_categories import categories
+from common.measure.memory_figure import COLORS, render, stack_order
 
 
 @dataclass

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import ROOT  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.memory import fmt_bytes  # noqa: E402
+from common.measure.byte_units import fmt_bytes  # noqa: E402
 
 DDP, FSDP, DS = "step3_multi_gpu/train_ddp.py", "step3_multi_gpu/train_fsdp.py", "step3_multi_gpu/train_deepspeed.py"
 # name -> (label, script, flags); our three first: the DeepSpeed rows are read against them

@@ -5,7 +5,7 @@
     python -m tools.estimate --model debug --world-size 4 --strategy fsdp --trace
     python -m tools.estimate --model 1b --world-size 8 --strategy fsdp --seq-len 256 --batch 8 --device cpu --trace --dry-run
 
-From the formulas of common/measure/theory.py, and with ``--trace`` also from a real forward,
+From the formulas of common/measure/formulas.py (added up by theory.py), and with ``--trace`` also from a real forward,
 backward and optimizer step of the model run under ``FakeTensorMode``: every tensor has
 a shape, a dtype and a device but no memory, and a fake process group (``backend="fake"``,
 whose collectives do nothing) lets DDP, FSDP2 and tensor parallelism build as they would
@@ -46,9 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.errors import UserError, main_guard
 from common.prepared import take_vocab
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from common.model import PRESETS, get_config
-from common.measure.theory import ALIASES, CATEGORIES, HEAD_LOSS_STRATEGIES, ROOT_REDUCE, STRATEGIES, Plan, predict
+from common.measure.plan import ALIASES, HEAD_LOSS_STRATEGIES, STRATEGIES, Plan
+from common.measure.theory import CATEGORIES, ROOT_REDUCE, predict
 from common.parallelize.ac import AC_MODES
 
 GiB = 2**30

@@ -177,7 +177,7 @@ def streams(rehearse: bool = False, big_memory: bool = False, cores: int | None 
     savers = ["--loss-chunks", "16", "--split-root-unit", "--expandable-segments"]
     out += [
         Stream("census", 2, "the estimator's 1b rows within 3% of the allocator (gpu_check's 1b runs); each list is "
-               "the CUDA formula's per-layer count to the byte (theory.layer_activation_bytes, device cuda)",
+               "the CUDA formula's per-layer count to the byte (formulas.layer_activation_bytes, device cuda)",
                [Command(["-m", "tools.saved_census", "--model", "1b", "--device", "cuda", "--amp", amp, "--batch", "4",
                          "--seq-len", "2048"], 6) for amp in ("bf16", "off")] if gpu else
                [Command(["-m", "tools.saved_census", "--model", "debug", "--amp", amp, "--batch", "2", "--seq-len",
@@ -614,7 +614,7 @@ def predicted_vs_measured(check_report: dict) -> list[dict]:
     """gpu_check's measured step of each ONE_RANK run beside common/measure/steptime.py's
     prediction for the same model, batch and dtype on the spec sheet of the GPU that ran it."""
     from common.measure.steptime import GPUS, step_time
-    from common.measure.theory import Plan
+    from common.measure.plan import Plan
     from common.model import get_config
     from tools.gpu_check import CHECKS, SCALES
 

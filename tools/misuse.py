@@ -134,7 +134,7 @@ CASES: dict[str, Case] = {
         [S1, *T, "--steps", "4", "--resume", "--lr", "0.001", "--seed", "1"],
         "holds a checkpoint of another run (step_00000001): --lr 0.003 there, 0.001 here; --seed 0 there, 1 here",
         "--lr", "the same flags, another --out, or delete its checkpoints", setup="checkpoint"),
-    # (a finished run there is moved aside instead: common/checkpoint.py:keep_finished_run)
+    # (a finished run there is moved aside instead: common/run_folder.py:keep_finished_run)
     "beside another run's checkpoint": Case(
         "`--ckpt-every` into an `--out` holding an unfinished run's checkpoints", [S1, *T, "--ckpt-every", "1",
                                                                                 "--global-batch-size", "8"],

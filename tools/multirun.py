@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.distributed import release_finished_groups  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.memory import collect_between_runs  # noqa: E402
+from common.measure.step_gc import collect_between_runs  # noqa: E402
 _state = {"count": 0, "store": None}
 
 
@@ -70,7 +70,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
         sys.argv = saved
         torch.set_num_threads(threads)
         # Nothing of this run may reach into the next: a run that failed half-way leaves Python's
-        # collector frozen (common/measure/memory.py's StepCollector) and its objects to a
+        # collector frozen (common/measure/step_gc.py's StepCollector) and its objects to a
         # collection; on a GPU the next run's allocator counters would start with them.
         collect_between_runs()
         release_finished_groups()  # (main_guard's already, unless the script's main has none)

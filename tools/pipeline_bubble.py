@@ -215,7 +215,7 @@ def plot_timelines(results: list[dict], path: Path, flags: str):
 def v_memory_table(runs: dict[str, Path]) -> str:
     """One row per schedule's run (4 ranks, traced): each rank's activations at their peak,
     measured, beside common/measure/theory.py's prediction, and its whole peak."""
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     summaries = {name: json.loads((path / "summary.json").read_text()) for name, path in runs.items()}
     pp = len(next(iter(summaries.values()))["memory"])
     lines = ["| schedule | " + " | ".join(f"rank {r}: activations (predicted) / peak" for r in range(pp)) + " |",

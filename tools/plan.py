@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.errors import UserError, main_guard  # noqa: E402
 from common.prepared import take_vocab  # noqa: E402
 from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
-from common.measure.theory import Plan  # noqa: E402
+from common.measure.plan import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
 from tools.estimate import HEADROOM_GIB, check_layouts, default_seq_len, label, model_config, worst_rank  # noqa: E402
 

@@ -3,13 +3,13 @@
     python -m tools.saved_census --model 1b --device cuda --amp bf16
     python -m tools.saved_census --model 1b --device cuda --amp off --batch 4 --seq-len 2048
 
-common/measure/theory.py counts a block's activations from what its ops save for backward.
+common/measure/formulas.py counts a block's activations from what its ops save for backward.
 On a CPU the memory tracer checks that count; on a GPU the kernels differ (attention,
 RMSNorm, autocast's casts), and this tool lists what they really save: one forward of one
 block, then a walk over the autograd graph reading each node's saved tensors
 (``grad_fn._saved_*``), counted once per storage. Weights and autocast's bf16 copies of
-them are listed apart (theory.py counts the copies per model, not per block), and so are
-the rotary tables. The last line compares the total with ``theory.layer_activation_bytes``.
+them are listed apart (formulas.py counts the copies per model, not per block), and so are
+the rotary tables. The last line compares the total with ``formulas.layer_activation_bytes``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from common.errors import UserError, main_guard
-from common.measure import theory
+from common.measure import formulas
 from common.model import PRESETS, TransformerBlock, get_config, rope_tables
 
 
@@ -106,8 +106,8 @@ def main(argv=None):
     print(f"  {'node':<34} {'saved':<12} {'shape':<24} {'dtype':<9} {'bytes/token':>11}  kind")
     for node, attr, shape, dtype, nbytes, kind in sorted(c["rows"], key=lambda r: (r[5], -r[4])):
         print(f"  {node:<34} {attr:<12} {str(shape):<24} {dtype:<9} {nbytes / n:>11.1f}  {kind}")
-    formula = theory.layer_activation_bytes(cfg, n, "bf16" if args.amp == "bf16" else "fp32", device=args.device)
-    print(f"activations {c['total'] / n:.1f} bytes/token; theory.layer_activation_bytes {formula / n:.1f} "
+    formula = formulas.layer_activation_bytes(cfg, n, "bf16" if args.amp == "bf16" else "fp32", device=args.device)
+    print(f"activations {c['total'] / n:.1f} bytes/token; formulas.layer_activation_bytes {formula / n:.1f} "
           f"({c['total'] / formula:.4f}); weight copies {c['weight copies'] / 2**20:.1f} MiB")
     if c["allocated after forward"] is not None:
         print(f"the allocator: {c['allocated after forward'] / n:.1f} bytes/token left by the forward, of which the "

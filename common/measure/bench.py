@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 
 GB = 1e9  # nccl-tests' GB/s are 10^9 bytes per second
 

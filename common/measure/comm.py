@@ -222,7 +222,7 @@ _ENTRY_POINTS = {
 # The functional collectives DTensor calls from inside an op, where no dispatch mode sees
 # them: a sharded gradient's norm is reduced inside the norm op itself. Counted only under
 # ``purpose`` (the norm); elsewhere, such as loss parallelism's per-token statistics, they
-# stay uncounted, as theory.tp_bytes_per_step says.
+# stay uncounted, as formulas.tp_bytes_per_step says.
 _FUNCTIONAL_ENTRY_POINTS = {"all_reduce": ("all_reduce", "self")}
 _LOCK = threading.Lock()
 _PURPOSE = threading.local()
@@ -294,7 +294,7 @@ class _OtherThreads:
 
 def print_comm(ctx, comm_by_rank: list[dict] | None, n_params: int):
     """One line per collective: what rank 0 sent per step, against 4N (N fp32 parameters)."""
-    from common.measure.memory import fmt_bytes
+    from common.measure.byte_units import fmt_bytes
     if not ctx.is_main or not comm_by_rank:
         return
     for kind, c in comm_by_rank[0].items():

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from common.cli import saver_label, tensorboard_writer
 from common.errors import UserError
 from common.measure import syncs
-from common.measure.memory import fmt_bytes
+from common.measure.byte_units import fmt_bytes
 from common.measure.syncs import HostCopy
 from common.model import count_params, flops_per_token
 
@@ -375,7 +375,7 @@ class Metrics:
                     + " that no op returned") if unseen.get("bytes") else ""
                 lines.append((f"{who}allocator peak", f"{fmt_bytes(m['allocator_peak_bytes'])} (traced / allocator "
                               f"{m['peak_bytes'] / m['allocator_peak_bytes']:.3f}{why})"))
-            if m.get("allocator_collective_bytes"):  # (CPU: see common/measure/memory.py, _AllocatorView)
+            if m.get("allocator_collective_bytes"):  # (CPU: see common/measure/allocator_count.py, _AllocatorView)
                 lines.append((f"{who}gloo's own buffers", f"up to {fmt_bytes(m['allocator_collective_bytes'])} a "
                               "collective, outside the trace and the allocator peak (NCCL keeps its own outside PyTorch's allocator)"))
             if m.get("unseen"):

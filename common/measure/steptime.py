@@ -1,6 +1,6 @@
 """How long one training step takes, and where the time goes: the step-time model.
 
-theory.py says how many bytes a layout holds and sends; this module turns a layout into
+theory.py (adding up formulas.py) says how many bytes a layout holds and sends; this module turns a layout into
 seconds on a machine, per rank, as a sum of named terms a learner can read:
 
   compute      the FLOPs the rank runs forward and backward, at the rate the device
@@ -20,7 +20,7 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                (common/parallelize/ac.py) keeps every matmul's and attention's output and
                recomputes only norms, RoPE, SiLU, the SwiGLU product and the residual adds:
                no matmul FLOPs, but memory-bound passes, counted as the bytes those ops
-               read and write (theory.py's activations dropped, twice) over HBM bandwidth.
+               read and write (formulas.py's activations dropped, twice) over HBM bandwidth.
                torchtitan's per-op selective AC (``--ac selective-op``; its published runs)
                recomputes those too, and every second matmul of a block (it saves the 1st,
                3rd, 5th and 7th of wq, wk, wv, wo, w1, w3, w2): wk, wo and w3's forward
@@ -29,7 +29,7 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                each collective's time on its link, t = calls x latency + bytes x ring factor
                / bandwidth (ring factors as nccl-tests' busbw: 2(n-1)/n for all-reduce,
                (n-1)/n for all-gather and reduce-scatter, 1 for send/recv and broadcast; the
-               bytes are theory.py's), less what hides under compute, as the scripts do it:
+               bytes are formulas.py's), less what hides under compute, as the scripts do it:
                  DDP: the buckets all-reduce during backward; the last one (the embedding's
                    gradient, ready last) waits: exposed = its time, plus what does not fit
                    under backward. ZeRO-1 adds the parameters' broadcast after the step:
@@ -93,9 +93,10 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common.measure.theory import (DTYPE_BYTES, Plan, _dp_comm, checkpointed_blocks, cp_bytes_per_step,
-                                   is_expert, is_root, layer_activation_bytes, pp_bytes_per_step, rank_shapes,
-                                   tp_bytes_per_step)
+from common.measure.formulas import (DTYPE_BYTES, _dp_comm, checkpointed_blocks, cp_bytes_per_step, is_expert,
+                                     layer_activation_bytes, pp_bytes_per_step, tp_bytes_per_step)
+from common.measure.plan import Plan
+from common.measure.splits import is_root, rank_shapes
 from common.model import ModelConfig
 
 GB = 1e9
@@ -392,7 +393,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     kind = {"cp": "ddp", "cp_fsdp": "fsdp_zero3"}.get(plan.strategy, plan.dp_kind)
     fsdp = kind.startswith(("fsdp", "hsdp"))
 
-    # data parallelism over dp (or, under CP, every rank), stride tp: its bytes from theory.py
+    # data parallelism over dp (or, under CP, every rank), stride tp: its bytes from formulas.py
     group = plan.world if cp > 1 else dp
     if group > 1 and kind != "single":
         shard = plan.shard if kind == "hsdp" else None
@@ -488,7 +489,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
             c.exposed = c.time
     exposed = sum(c.exposed for c in comms)
 
-    # the optimizer: the parameters this rank updates (theory.py's shards)
+    # the optimizer: the parameters this rank updates (splits.py's shards)
     updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
     optimizer = updated * (machine.adamw_s_per_param or optimizer_bytes(plan.optimizer) / machine.hbm)
 

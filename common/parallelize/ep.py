@@ -21,7 +21,7 @@ A dry run (one rank alone on the fake process group, ``--fake-world-size``) rece
 counts: the all-to-all of counts runs, and is counted, but fills nothing in. ``apply_ep(...,
 even_routing=True)`` has the rank assume instead that every rank sends it as many token
 slots as it sends that rank: its experts then receive top_k x its tokens, the mean load,
-which is what theory.ep_comm's formula assumes, so the dry run's shapes and all-to-all
+which is what formulas.ep_comm's formula assumes, so the dry run's shapes and all-to-all
 bytes are those of a rank in a balanced real run.
 
 The experts here are spread over all the data-parallel ranks (EP degree = world size, the

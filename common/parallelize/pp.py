@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from common.errors import UserError
-from common.measure.theory import stage_layers  # the formulas live in theory.py
+from common.measure.splits import stage_layers  # the layer split lives with the formulas
 from common.parallelize.schedules import V_SCHEDULES, schedule_actions, schedule_order  # noqa: F401 (theirs too)
 from common.model import ModelConfig, Transformer
 from common.training import eval_batch_count, global_loss

@@ -1,7 +1,7 @@
 """The order a pipeline schedule runs its micro-batches in, rank by rank: plain lists, no
-process group, no model. Its own module so that the memory formulas (common/measure/theory.py,
-which common/parallelize/pp.py imports) can read the same orders the schedules run without
-importing pp.py back."""
+process group, no model. Its own module so that the memory formulas (common/measure/theory.py and
+splits.py, which common/parallelize/pp.py imports) can read the same orders the schedules run
+without importing pp.py back."""
 from __future__ import annotations
 
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V

@@ -47,8 +47,8 @@ def _is_ready(tensor) -> bool:
 def _count_weight_traffic():
     import torch.distributed as dist
 
-    import common.checkpoint as ckpt
-    real_gather, real_send, real_recv = ckpt.full_state_dict, dist.send, dist.recv
+    import common.weights as full_weights
+    real_gather, real_send, real_recv = full_weights.full_state_dict, dist.send, dist.recv
 
     def full_state_dict(*args, **kwargs):
         WEIGHTS["active"] = True
@@ -72,7 +72,7 @@ def _count_weight_traffic():
             WEIGHTS["tensors_received"] += 1
         return real_recv(tensor, *args, **kwargs)
 
-    ckpt.full_state_dict, dist.send, dist.recv = full_state_dict, send, recv
+    full_weights.full_state_dict, dist.send, dist.recv = full_state_dict, send, recv
 
 
 def reference(flags: list[str], amp: str = "off") -> dict:
@@ -120,7 +120,7 @@ def shared_flags(flags: list[str]) -> list[str]:
 
 
 def main():
-    import common.checkpoint as ckpt
+    import common.weights as full_weights
 
     out_dir, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     results, refs = {}, {}
@@ -130,13 +130,13 @@ def main():
         flags = case["flags"] + ["--out", str(case_out), "--device", "cpu"]
         t0 = time.perf_counter()
         WEIGHTS.update(sent=0, received=0, tensors_received=0, readies_sent=0, readies_received=0)
-        ckpt.IN_FLIGHT.update(bytes=0, peak_bytes=0)
+        full_weights.IN_FLIGHT.update(bytes=0, peak_bytes=0)
         code, err = run_script(case["script"], flags, capture_stderr=True)
         res = {"exit_code": code, "stderr_tail": err[-2000:], "wall_s": time.perf_counter() - t0,
                "weights_sent": WEIGHTS["sent"], "weights_received": WEIGHTS["received"],
                "weight_tensors_received": WEIGHTS["tensors_received"], "readies_sent": WEIGHTS["readies_sent"],
                "readies_received": WEIGHTS["readies_received"],
-               "weights_peak_in_flight": ckpt.IN_FLIGHT["peak_bytes"]}
+               "weights_peak_in_flight": full_weights.IN_FLIGHT["peak_bytes"]}
         if RANK == 0 and code == 0 and not case.get("expect_error"):
             amp = last_value(case["flags"], "--amp", "bf16")  # step 3's default
             key = json.dumps(shared_flags(case["flags"]))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp  # noqa: E402  (puts the repository on sys.path; runs a script's main() on our group)
-from common.checkpoint import complete_checkpoints  # noqa: E402
+from common.checkpoint_meta import complete_checkpoints  # noqa: E402
 from common.distributed import _restart_store, rank_device  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
