@@ -13,12 +13,13 @@
     run.finish()                      # validation loss, figure, summary.json, predicted vs measured, bytes
 
 What it drives, each living in its own module:
-- ``Checkpointer`` (common/checkpoint.py): ``--resume``, ``--ckpt-every``, ``--ckpt-async``, ``--on-nan``,
+- ``Checkpointer`` (common/checkpoint.py; its stop signals in common/checkpoint_signals.py): ``--resume``,
+  ``--ckpt-every``, ``--ckpt-async``, ``--on-nan``,
   and preemption (SIGTERM/SIGUSR1: every rank saves one agreed step, then exits 75);
 - ``MemoryTracer`` (common/measure/memory.py): the categorised timeline of a few steps;
 - ``CommCounter`` (common/measure/comm.py): bytes by collective, per optimizer step;
 - ``Metrics`` (common/measure/metrics.py): step time, tokens/s, MFU, the files in --out;
-- ``StepCollector`` (common/measure/memory.py): Python's cycle collector before every step, and
+- ``StepCollector`` (common/measure/step_gc.py): Python's cycle collector before every step, and
   the tensors it found (none, unless something keeps a step's tensors in a reference cycle);
 - ``theory.report`` (common/measure/theory.py): the formulas beside the measurement.
 """
