@@ -343,7 +343,7 @@ def test_torchtitan_8b_in_the_models_flop_count():
     """will_it_fit.md: torchtitan's eager FSDP runs (5,762 and 5,605 tokens/s a GPU) are 33.7%
     and 32.8% of 989 TFLOP/s in MFU's usual count (attention whole, common/model.py's
     flops_per_token) and 30.0% and 29.2% in the step-time model's (causal attention halved)."""
-    from common.measure.steptime import model_flops_per_token
+    from common.measure.flops import model_flops_per_token
     from common.model import flops_per_token
     cfg = get_config("8b", vocab_size=128256)
     got = {tps: (tps * flops_per_token(cfg, 8192) / 989e12, tps * model_flops_per_token(cfg, 8192) / 989e12)
@@ -360,7 +360,9 @@ def test_torchtitan_per_op_sac_recompute():
     47 ms; with its own passes over what it drops, 284 ms."""
     from dataclasses import replace
 
-    from common.measure.steptime import GPUS, layer_matmul_params, per_op_sac_flops, step_time
+    from common.measure.flops import layer_matmul_params, per_op_sac_flops
+    from common.measure.machines import GPUS
+    from common.measure.steptime import step_time
     cfg = get_config("8b", vocab_size=128256)
     share = per_op_sac_flops(cfg) / (2 * layer_matmul_params(cfg))
     m = GPUS["torchtitan"]
@@ -380,7 +382,8 @@ def test_torchtitan_fsdp_tp_row_at_its_published_settings():
     predicted at those settings (their per-op SAC: --ac selective-op): 5,841 tokens/s a GPU against
     their 4,378 (1.33x), 718 ms of its 2,104 ms step TP's exposed collectives (the eager,
     local-batch-2 guess printed beside it)."""
-    from common.measure.steptime import GPUS, step_time
+    from common.measure.machines import GPUS
+    from common.measure.steptime import step_time
     from tools.plan import torchtitan_rows
     (row,) = [r for r in torchtitan_rows() if "TP 8" in r["what"]]
     p = row["plan"]
@@ -470,7 +473,9 @@ def test_step_time_numbers_will_it_fit_quotes():
     40 ms foreach and 17 ms fused; MFU's usual count (attention whole) is 12.5% more FLOPs than
     the model's at 8192 tokens; the eager FSDP rows predict 33.2% of 989 (the model's count); the
     FSDP 8 x TP 8 row's formula peak under their per-op policy (71.3 GiB) fits the card's 95.6."""
-    from common.measure.steptime import GPUS, model_flops_per_token, step_time
+    from common.measure.flops import model_flops_per_token
+    from common.measure.machines import GPUS
+    from common.measure.steptime import step_time
     from common.model import flops_per_token
     from tools.plan import torchtitan_rows
     cfg = get_config("8b", vocab_size=128256, max_seq_len=8192)

@@ -364,7 +364,8 @@ def _pass_folder(folder, device, streams, rehearse=False, tar_files=()):
 
 
 def test_gpu_pass_merge_and_refusals(tmp_path, monkeypatch, capsys):
-    from common.measure.steptime import GPUS, step_time
+    from common.measure.machines import GPUS
+    from common.measure.steptime import step_time
     from common.measure.plan import Plan
     from common.model import get_config
     from tools import gpu_pass

@@ -11,8 +11,9 @@ import shlex
 
 import pytest
 
-from common.measure.steptime import (DDP_BUCKET_BYTES, Link, Machine, collective_time, head_flops, layer_flops,
-                                     layer_matmul_params, ring_factor, step_time)
+from common.measure.flops import head_flops, layer_flops, layer_matmul_params
+from common.measure.machines import Link, Machine
+from common.measure.steptime import DDP_BUCKET_BYTES, collective_time, ring_factor, step_time
 from common.measure.plan import Plan
 from common import ROOT
 from common.model import count_params, get_config
@@ -103,7 +104,7 @@ def test_planner_drops_what_does_not_fit_and_its_commands_parse(capsys):
                                       "--seq-len", "4096", "--ac", "full", "--top", "2"])
     cfg = get_config("8b")
     ps = layouts(cfg, 8, 4, 16, 4096, "bf16", "cuda", acs=("none", "full"))
-    from common.measure.steptime import GPUS
+    from common.measure.machines import GPUS
     fit, dropped = evaluate(ps, GPUS["h100"], False, 4.0)
     why = {(d["plan"].strategy, d["plan"].ac): d["why"] for d in dropped if d["plan"].pp == 1 and d["plan"].tp == 1}
     assert why[("ddp", "none")].startswith("does not fit: peak 1")  # 16 bytes x 7B parameters, whole, > 100 GiB
@@ -305,7 +306,8 @@ def test_one_flop_count_mfu_and_the_share_of_the_rate():
     the planner's MFU and "% of the rate assumed" count the same FLOPs: the latter is the share
     of the step spent at the matmul rate (it could pass 100% when it divided flops_per_token by
     a rate the model applies to fewer FLOPs)."""
-    from common.measure.steptime import GPUS, model_flops_per_token
+    from common.measure.flops import model_flops_per_token
+    from common.measure.machines import GPUS
     from common.model import flops_per_token
     cfg = get_config("1b")
     assert model_flops_per_token(cfg, 2048) == cfg.n_layers * layer_flops(cfg, 2048) + head_flops(cfg)
@@ -323,7 +325,7 @@ def test_per_op_sac_recomputes_every_second_matmul():
     """torchtitan's per-op selective AC (--ac selective-op) saves the 1st, 3rd, 5th and 7th matmul
     of a block (wq, wv, w1, w2) and recomputes wk, wo and w3: 2 (d kv + d^2 + d f) FLOPs a token
     and block, charged at the matmul rate, on top of memory-bound passes over what it drops."""
-    from common.measure.steptime import per_op_sac_flops, recompute_flops
+    from common.measure.flops import per_op_sac_flops, recompute_flops
     from common.measure.formulas import layer_activation_bytes
     cfg = get_config("8b")
     d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
@@ -377,14 +379,15 @@ def test_the_tutorials_own_model_plans_with_its_own_length_and_ties_are_said(cap
 
 
 def test_the_achieved_fractions_are_the_h200_reports_and_give_its_steps_back():
-    """steptime.ACHIEVED is what figs/gpu_check_h200.json measured: for each of its 1b runs (eager
+    """machines.ACHIEVED is what figs/gpu_check_h200.json measured: for each of its 1b runs (eager
     bf16, compiled bf16, fp32), the fraction of the sheet that makes the model's step the measured
     one, counted with the FLOPs the model counts (causal attention halved), one count for every
     dtype; with them the model gives those steps back. fp32 reaches its own sheet at 1.7 times
     bf16's share: one fraction for both put fp32 at 1.7 times its time."""
     import json
 
-    from common.measure.steptime import ACHIEVED, GPUS, fraction_from_step
+    from common.measure.machines import ACHIEVED, GPUS
+    from common.measure.steptime import fraction_from_step
     from common.model import flops_per_token
     report = json.loads((ROOT / "figs" / "gpu_check_h200.json").read_text())
     runs = {r["name"]: r for r in report["runs"]}

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import UserError, main_guard  # noqa: E402
 from common.measure.cpuload import OtherLoad  # noqa: E402
-from common.measure.steptime import ALL_TERMS, load_calibration, step_time  # noqa: E402
+from common.measure.machines import load_calibration  # noqa: E402
+from common.measure.steptime import ALL_TERMS, step_time  # noqa: E402
 from common.measure.plan import Plan  # noqa: E402
 from common.model import get_config  # noqa: E402
 
@@ -123,7 +124,7 @@ def machine_of(cals: list[Path]):
     of both calibrations over the mean."""
     from dataclasses import replace
 
-    from common.measure.steptime import Link
+    from common.measure.machines import Link
     cs = [json.loads(c.read_text()) for c in cals]
     ms = [load_calibration(c) for c in cals]
 
@@ -163,7 +164,8 @@ def main(argv=None):
         raise UserError(f"--repeats must be at least 3 (a median of fewer says little; got {args.repeats}).")
     if args.steps < 4:
         raise UserError(f"--steps must be at least 4 (the first two are warm-up; got {args.steps}).")
-    from common.measure.steptime import rank_shape, shape_key
+    from common.measure.machines import shape_key
+    from common.measure.steptime import rank_shape
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = get_config(args.model)

@@ -149,7 +149,7 @@ def _range(cell: str) -> list[float]:
 
 
 def _achieved(kind: str) -> str:
-    from common.measure.steptime import ACHIEVED
+    from common.measure.machines import ACHIEVED
     return f"{ACHIEVED[kind]:.2%}"
 
 

@@ -613,7 +613,8 @@ ONE_RANK = [("01_baseline", False), ("02_amp", False), ("02_amp_compile_notrace"
 def predicted_vs_measured(check_report: dict) -> list[dict]:
     """gpu_check's measured step of each ONE_RANK run beside common/measure/steptime.py's
     prediction for the same model, batch and dtype on the spec sheet of the GPU that ran it."""
-    from common.measure.steptime import GPUS, step_time
+    from common.measure.machines import GPUS
+    from common.measure.steptime import step_time
     from common.measure.plan import Plan
     from common.model import get_config
     from tools.gpu_check import CHECKS, SCALES

@@ -13,7 +13,7 @@ common/measure/steptime.py how long a step takes; and prints the fastest few: me
 step split into compute, recompute, exposed communication, bubble and optimizer, tokens/s,
 MFU, and the command that runs it.
 
-``--gpu`` describes a machine from its spec sheets (steptime.GPUS); ``--calibrate`` measures
+``--gpu`` describes a machine from its spec sheets (common/measure/machines.py: GPUS); ``--calibrate`` measures
 this one (our model's block rate on one compute unit, a CPU core, with the other units busy;
 the optimizer's time a parameter and DTensor's a block; memory bandwidth; and, every rank at
 once, the collectives' bandwidth and latency with the communication lab's benchmark code) and
@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.errors import UserError, main_guard  # noqa: E402
 from common.prepared import take_vocab  # noqa: E402
-from common.measure.steptime import DISPATCH, GPUS, SHARED, TERMS, Machine, load_calibration, step_time  # noqa: E402
+from common.measure.machines import GPUS, Machine, load_calibration  # noqa: E402
+from common.measure.steptime import DISPATCH, SHARED, TERMS, step_time  # noqa: E402
 from common.measure.plan import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
 from tools.estimate import HEADROOM_GIB, check_layouts, default_seq_len, label, model_config, worst_rank  # noqa: E402
@@ -433,7 +434,8 @@ def calibrate_worker(args) -> None:
 
     from common.distributed import distributed
     from common.measure.bench import message_sizes
-    from common.measure.steptime import head_flops, layer_flops, shape_key
+    from common.measure.flops import head_flops, layer_flops
+    from common.measure.machines import shape_key
     from common.model import build_model
     from step3_multi_gpu.bench_collectives import run as bench_run
     cfg = get_config(args.model, n_layers=args.n_layers)
