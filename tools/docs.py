@@ -259,6 +259,7 @@ VALUES = {
     "f8.peak-over": lambda: "{:.1%}".format(_num(_cell("table-02-float8", "float8 + bf16", "peak"))
                                             / _num(_cell("table-02-float8", "AMP bf16", "peak")) - 1),
     "f8.overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("float8 + bf16") - 1),
+    "f8.amp-overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("AMP bf16") - 1),
     "f8.predicted": lambda: f"{_f8_predicted():.1f}",
     "f8.act": lambda: f"{_f8_act('float8 + bf16'):.1f} MiB",
     # step 3a: the ZeRO runs
@@ -275,6 +276,8 @@ VALUES = {
     "est-8b.ddp-state": lambda: _gib(sum(_num(_cell("est-8b", "ddp on 4", c))
                                          for c in ("parameters", "gradients", "AdamW state")), 0),
     "est-8b.single-peak": lambda: _gib(_num(_cell("est-8b", "single device", "peak"))),
+    "est-8b.single-state": lambda: _gib(sum(_num(_cell("est-8b", "single device", c))
+                                            for c in ("parameters", "gradients", "AdamW state")), 0),
     "est-8b.single-temporaries": lambda: _gib(_num(_cell("est-8b", "single device", "peak"))
                                               - sum(_num(_cell("est-8b", "single device", c))
                                                     for c in ("parameters", "gradients", "AdamW state")), 0),
@@ -560,7 +563,7 @@ def _chaos_after_last() -> dict[str, str]:
 
 # the runs of the one-GPU check that held their own memory only (step 1, step 2 without
 # checkpointing, DDP, ZeRO-1): how far their traced peak is under the allocator's
-_OWN_MEMORY_RUNS = ("01_baseline", "02_amp", "1b_fp32", "1b_amp", "03_ddp", "03_zero1")
+_OWN_MEMORY_RUNS = ("01_baseline", "02_amp", "02_amp_compile", "1b_fp32", "1b_amp", "03_ddp", "03_zero1")
 
 
 def _test_seconds(path: str) -> str:
@@ -577,7 +580,6 @@ VALUES.update({
     "plan-bench.pp4-bubble": lambda: f"{_pb_one('pp', 4, 'bubble'):.0f} ms",
     "plan-bench.pp4-predicted": lambda: f"{_pb_one('pp', 4, 'predicted ms'):,.0f} ms",
     "plan-bench.pp4-measured": lambda: f"{_pb_one('pp', 4, 'measured ms'):,.0f} ms",
-    "plan-bench.pp2-ratio": lambda: _pb_ratios(_pb("pp", 2)),
     "plan-bench.tp-ratios": lambda: _pb_ratios(_pb(tp=True)),
     "plan-bench.tp4-ratios": lambda: _pb_ratios(_pb(ranks=4, tp=True)),
     "plan-bench.split-gflops": lambda: _pb_rates(split=True),
@@ -586,6 +588,7 @@ VALUES.update({
                                                                           _text("plan-bench"))], "{:.1f}", " ms"),
     "plan-bench.zero1-extra": _pb_zero1_extra,
     "plan-bench.zero1-ratios": lambda: _pb_ratios(_pb("zero1")),
+    "plan-bench.zero1-4-ratio": lambda: _pb_ratios(_pb("zero1", 4)),
     "plan-bench.after-before": lambda: _span([float(x) for x in re.findall(r"after/before ([\d.]+)",
                                                                            _text("plan-bench"))]),
     # step 4: the checkpoint's bytes over 12N (table-05), the async copy (bench-ckpt), the chaos soak
