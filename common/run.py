@@ -187,7 +187,7 @@ class Run:
     def log(self, step: int, loss, **extra):
         """After the optimizer step: ``loss`` is the global-batch mean, the same on every rank;
         tensors (loss, grad_norm) stay on the device: Metrics reads them one step late. Then
-        the NaN check (--on-nan) of the steps whose numbers that made known."""
+        the NaN check (--on-nan) of the steps whose numbers this made known."""
         # Traced and counted steps run under a dispatch mode, profiled ones under the
         # profiler: all left out of the throughput.
         if self._waited is not None:
