@@ -329,9 +329,11 @@ def test_cpu_offload_puts_the_sharded_state_on_the_host():
         assert off[root] == plain[root] | {"other units' gradient shards": 0}
         assert off["optimizer temporaries"] == 0 and off["peak_at"] != "optimizer step"
     assert local < plain["gradients"]
-    # on the CPU the peak is the end of forward (no gradient yet): less the parameters and AdamW state
+    # on the CPU the peak is the start of backward (no gradient of the last step, the first block's
+    # unsharded gradients, which the end of forward has not made yet): less the parameters and AdamW state
     plain, off = (theory.predict(Plan(DEBUG, "fsdp", cpu_offload=o, **kw), rank=2) for o in (False, True))
-    assert plain["peak_at"] == off["peak_at"] == "end of forward"
+    assert plain["peak_at"] == off["peak_at"] == "start of backward"
+    assert plain["transient"][theory.UNSHARDED_GRADS] > 0
     assert off["peak"] == plain["peak"] - plain["parameters"] - plain["optimizer state"]
     with pytest.raises(ValueError, match="FSDP's"):
         Plan(DEBUG, "ddp", world=2, cpu_offload=True)

@@ -521,6 +521,12 @@ def test_gpu_check_merge_keeps_every_row_and_refuses_another_gpu(tmp_path, capsy
     assert sorted(p.name for p in out.glob("*.png")) == ["01_x_a_cuda_h200.png", "01_x_b_cuda_h200.png"]
     assert gpu_check.markdown({**report, "merged": None, "note": None}).splitlines()[1:3] == ["", "| run | " + md.split(
         "| run | ", 1)[1].split("\n", 1)[0]]  # a report not merged reads as before
+    # merged again with another note: the same rows and parts, the note replaced
+    again = tmp_path / "again"
+    md2 = gpu_check.merge([str(out / "gpu_check_h200.json")], again, note="a corrected note").read_text()
+    report2 = json.loads((again / "gpu_check_h200.json").read_text())
+    assert {k: v for k, v in report2.items() if k != "note"} == {k: v for k, v in report.items() if k != "note"}
+    assert md2 == md.replace("NOTE: measured side by side", "NOTE: a corrected note")
 
     (tmp_path / "c.json").write_text(json.dumps({**head, "torch": "2.13.0", "runs": []}))
     assert gpu_check.main(["--merge", str(paths[0]), str(tmp_path / "c.json"), "--report-dir", str(out)]) == 2

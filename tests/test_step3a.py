@@ -185,7 +185,7 @@ def test_cpu_offload_moves_the_formulas_sharded_state_to_the_host_and_the_trace_
         assert gathered["root"] + gathered["block"] <= device["parameters"] <= gathered["root"] + 2 * gathered["block"]
         assert device["optimizer state"] == 0
         host_at_peak = want["parameters"] + want["optimizer state"]
-        assert row["peak_at"] == plain["predicted"]["per_rank"][rank]["peak_at"] == "end of forward"
+        assert row["peak_at"] == plain["predicted"]["per_rank"][rank]["peak_at"] == "start of backward"
         assert row["peak"] == plain["predicted"]["per_rank"][rank]["peak"] - host_at_peak
         assert row["measured peak"] == mem["peak_bytes"] - host_at_peak
 

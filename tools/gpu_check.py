@@ -367,9 +367,12 @@ def merge(paths: list[str], report_dir: Path = ROOT / "figs", note: str = "") ->
               "wall_s": sum(r.get("wall_s") or 0 for _, r in reports),
               # what each part ran (its runs' name prefixes, as --only takes them), not the files: they
               # stay on the machine that made them, and the report holds all they said
-              "merged": [{"prefixes": sorted({row["name"].split("_")[0] for row in r["runs"]}), "runs": len(r["runs"]),
-                          "wall_s": r.get("wall_s") or 0, "date": r["date"]} for _, r in reports],
-              "merge_argv": ["--merge", *["REPORT.json"] * len(reports), *(["--note", "NOTE"] if note else [])]}
+              # (a report that was itself merged keeps its parts: merging it again, with a new
+              # --note, say, changes nothing else)
+              "merged": [part for _, r in reports for part in r.get("merged") or [
+                  {"prefixes": sorted({row["name"].split("_")[0] for row in r["runs"]}), "runs": len(r["runs"]),
+                   "wall_s": r.get("wall_s") or 0, "date": r["date"]}]]}
+    report["merge_argv"] = ["--merge", *["REPORT.json"] * len(report["merged"]), *(["--note", "NOTE"] if note else [])]
     if note:
         report["note"] = note
     report_dir = Path(report_dir)

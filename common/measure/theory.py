@@ -90,7 +90,9 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
       AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
       (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, and
       ``--fused-adamw`` runs one kernel that holds none (``plan.optimizer``).
-    FSDP's gathered weights and unsharded gradients count at the first two.
+    FSDP's gathered weights count at every moment but the optimizer step (one block fewer at
+    the loss's backward); its unsharded gradients (one block's, while FSDP reduce-scatters
+    them) from the start of backward on.
     Returns (peak, which moment, the optimizer's temporaries).
     """
     state_bytes = out["optimizer state"]
@@ -104,7 +106,9 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     # half the state: one fp32 value a parameter (the few bytes of step counters aside)
     temporaries = state_bytes // 2 if plan.optimizer == "foreach" else 0
     full = out["parameters"] + out["gradients"] + state_bytes
-    moments = {"end of forward": base + cache, "loss backward": at_loss + loss, "start of backward": base + rebuilt,
+    unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
+    moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
+               "start of backward": base + rebuilt,
                "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
@@ -128,6 +132,7 @@ def offloaded_state(plan: Plan, shapes: dict, shard: int, index: int, out: dict)
 
 ROOT_REDUCE = "FSDP root unit's reduce-scatter"
 LOSS_BACKWARD = "the loss's backward"
+UNSHARDED_GRADS = "unsharded gradients (FSDP)"
 
 
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
@@ -248,7 +253,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             pbytes * gathered
         # a block's full gradients in the compute dtype and their fp32 copy in the
         # reduce-scatter buffer, alive together while FSDP reduces it (see _root_reduce)
-        transient["unsharded gradients (FSDP)"] = (pbytes + 4) * block_n
+        transient[UNSHARDED_GRADS] = (pbytes + 4) * block_n
         # when the loss's backward runs, no block's gradient exists yet and one block is gathered
         # (backward's prefetch of the last), not two
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
