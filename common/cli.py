@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -137,7 +138,8 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     except ValueError as e:
         raise UserError(str(e)) from None
     _check_moe(args)
-    _check_it_can_fit(args)
+    if not _TRACE[0]:
+        _check_it_can_fit(args)
     if args.seq_len > args.model_config.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than model {args.model!r} supports "
                         f"({args.model_config.max_seq_len}); use --seq-len {args.model_config.max_seq_len} or less.")
@@ -151,8 +153,24 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args.out = Path(args.out) if args.out else ROOT / "runs" / args.script
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder; give a folder (it is created if missing).")
-    check_writable(args.out)
+    if not _TRACE[0]:
+        check_writable(args.out)
     return args
+
+
+_TRACE = [False]
+
+
+@contextlib.contextmanager
+def for_a_trace():
+    """Parse a script's flags for a fake-tensor trace of its build (tools/estimate.py): it
+    allocates nothing and writes nothing, so the checks of this machine (does the model's
+    state fit its memory; can --out be written) are left out."""
+    _TRACE[0] = True
+    try:
+        yield
+    finally:
+        _TRACE[0] = False
 
 
 def tensorboard_writer():

@@ -4,13 +4,11 @@
     torchrun --nproc-per-node 4 step3_multi_gpu/train_2d.py --dp 2 --tp 2 --sequence-parallel
 
 The ranks form a (dp, tp) grid. Along tp, ranks split every weight matrix and work on the
-same batch (train_tp.py): chatty, so on a real cluster these are the GPUs of one node,
-joined by NVLink. Along dp, FSDP shards those shards again and each group reads its own
-slice of the batch (train_fsdp.py): one all-gather per block and one reduce-scatter of
-gradients per step, which overlap with compute and tolerate the slower network between
-nodes. Each rank holds 1/(dp x tp) of the weights, gradients and AdamW state. Step 2's
-savers come along: --amp bf16 (the default; FSDP's mixed-precision policy), --ac,
---compile, --fused-adamw, --grad-accum.
+same batch (train_tp.py): chatty, so on a real cluster the GPUs of one node, on NVLink.
+Along dp, FSDP shards those shards again and each group reads its own slice of the batch
+(train_fsdp.py): a block's all-gather and reduce-scatter overlap with compute and tolerate
+the slower network between nodes. Each rank holds 1/(dp x tp) of the model state. Step 2's
+savers come along: --amp bf16 (the default: FSDP's policy), --ac, --compile, --grad-accum.
 """
 import os
 import sys
@@ -34,8 +32,7 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
-@main_guard
-def main():
+def parse(argv=None):
     p = cli.parser(__doc__)
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree, the inner mesh dimension (default: 2, or 1 on an odd world size)")
@@ -43,7 +40,25 @@ def main():
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism inside the TP groups")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    args = cli.parse(p)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh):
+    """Tensor parallel first (inside the node), then FSDP over the result (across nodes)."""
+    with torch.device("meta"):
+        model = Transformer(args.model_config)
+    set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
+    apply_tp(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
+    apply_ac(model, args.ac, every=args.ac_every)  # per block, inside each FSDP unit
+    apply_fsdp(model, mesh["dp"], param_dtype=args.amp_dtype)  # bf16 gathers, fp32 shards and reduction
+    apply_compile(model, args.compile)  # per block, last
+    model.to_empty(device=ctx.device).init_weights(args.seed)  # each rank allocates and fills its shards
+    return model, adamw(model.parameters(), args)
+
+
+@main_guard
+def main():
+    args = parse()
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         if (args.tp is not None and args.tp <= 0) or (args.dp is not None and args.dp <= 0):
@@ -51,25 +66,13 @@ def main():
         args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)
         dp = args.dp or max(1, ctx.world_size // args.tp)
         check_tp(args.model_config, args.tp, args.seq_len, args.sequence_parallel)
-        # tp is the inner (last) dimension: consecutive ranks, i.e. the GPUs of one node.
-        mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))
+        mesh = ctx.mesh((dp, args.tp), ("dp", "tp"))  # tp inner: consecutive ranks, one node's GPUs
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # The data is split along dp only: the ranks of one TP group read the same samples.
         micro_batch_size(args.global_batch_size, dp, args.grad_accum)  # splits evenly?
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, seed=args.seed)
-
-        # Tensor parallel first (inside the node), then FSDP over the result (across nodes).
-        with torch.device("meta"):
-            model = Transformer(args.model_config)
-        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        apply_tp(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
-        apply_ac(model, args.ac, every=args.ac_every)  # per block, inside each FSDP unit
-        apply_fsdp(model, mesh["dp"], param_dtype=args.amp_dtype)  # bf16 gathers, fp32 shards and reduction
-        apply_compile(model, args.compile)  # per block, last
-        model.to_empty(device=ctx.device)
-        model.init_weights(args.seed)
-        optimizer = adamw(model.parameters(), args)
+        model, optimizer = build(args, ctx, mesh)
         scheduler = lr_schedule(optimizer, args)
         # FSDP x TP shards are DTensors on a 2-D mesh; DCP reshards them to any other mesh.
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="2d",

@@ -1,20 +1,14 @@
 """Step 3b: context parallelism. Every rank holds the whole model and a slice of every
 sequence; attention, the one place where tokens meet, passes keys and values around a ring.
 
-    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024
-    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --no-load-balance
+    torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024  # --no-load-balance: the naive split
     torchrun --nproc-per-node 4 step3_multi_gpu/train_cp.py --seq-len 1024 --dp 2 --fsdp
 
-What it buys: activations are per token, so each rank keeps 1/W of them: a sequence W times longer
-fits in the same memory. What it costs: per block, each rank's keys and values travel around the
-ring once forward and once backward with their gradients, (W-1) + (W-1) + W hops of one (batch x
-seq/W x kv width) block each, behind the attention's compute. The hand-written ring
-(common/parallelize/cp.py:apply_cp) is the lesson; the gradients of the replicated weights are
-averaged over every rank by DDP, or, with --fsdp, the weights are sharded over every rank and FSDP's
-reduce-scatter sums them (--dp N: N data-parallel groups of world/N context-parallel ranks). Step
-2's savers: bf16 autocast (the default; --amp off for fp32), --ac full, --fused-adamw, --grad-accum.
-A dry run (--fake-world-size 8 --fake-rank R) plays one rank alone: the ring's blocks have fixed
-sizes, so its memory and bytes are that rank's.
+Activations are per token, so each rank keeps 1/W of them: a W times longer sequence fits. The
+cost: per block, keys and values travel the ring forward, and backward with their gradients
+((W-1) + (W-1) + W hops of a batch x seq/W x kv-width block), behind attention's compute. The
+ring (common/parallelize/cp.py:apply_cp) is the lesson; DDP averages the gradients over every
+rank, or --fsdp shards the weights over every rank (--dp N: N groups of world/N ranks each).
 """
 import contextlib
 import os
@@ -41,13 +35,32 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule, micro_batch_size
 
 
-@main_guard
-def main():
+def parse(argv=None):
     p = cli.parser(__doc__)
     add_cp_flags(p)  # --no-load-balance, --dp, --fsdp
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    args = cli.parse(p)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh):
+    with torch.device("meta"):
+        model = Transformer(args.model_config)
+    apply_cp(model, mesh["cp"], load_balance=args.load_balance)
+    apply_ac(model, args.ac, every=args.ac_every)  # a recomputed block runs its ring again
+    every_rank = ctx.mesh((ctx.world_size,), ("dp_cp",))  # the weights' group: FSDP's, or DDP's
+    if args.fsdp:  # over every rank: each holds 1/world of the model state
+        apply_fsdp(model, every_rank, param_dtype=args.amp_dtype)
+    model.to_empty(device=ctx.device).init_weights(args.seed)
+    if not args.fsdp:  # whole weights everywhere: DDP averages their gradients over every rank
+        model = DDP(model, device_mesh=every_rank, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+        register_comm_hook(model, "none")  # DDP's own all-reduce (in a dry run: issued, never waited on)
+    return model, adamw(model.parameters(), args)
+
+
+@main_guard
+def main():
+    args = parse()
     refuse_cp_compile(args)  # the ring sends and receives inside every block's attention
     with distributed_for(args) as ctx:
         cp = cp_degree(ctx.world_size, args.dp)
@@ -59,20 +72,8 @@ def main():
         # The ranks of a cp group read the same sequences (like TP) and each keeps its slice.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=mesh["dp"].get_local_rank(), dp_size=args.dp, seed=args.seed)
-        with torch.device("meta"):
-            model = Transformer(args.model_config)
-        apply_cp(model, mesh["cp"], load_balance=args.load_balance)
-        apply_ac(model, args.ac, every=args.ac_every)  # a recomputed block runs its ring again
-        every_rank = ctx.mesh((ctx.world_size,), ("dp_cp",))  # the weights' group: FSDP's, or DDP's
-        if args.fsdp:  # over every rank: each holds 1/world of the model state
-            apply_fsdp(model, every_rank, param_dtype=args.amp_dtype)
-        model.to_empty(device=ctx.device)
-        model.init_weights(args.seed)
-        ring = model.cp_ring
-        if not args.fsdp:  # whole weights everywhere: DDP averages their gradients over every rank
-            model = DDP(model, device_mesh=every_rank, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
-            register_comm_hook(model, "none")  # DDP's own all-reduce (in a dry run: issued, never waited on)
-        optimizer = adamw(model.parameters(), args)
+        model, optimizer = build(args, ctx, mesh)
+        ring = getattr(model, "module", model).cp_ring  # (inside DDP's wrapper) whose slice of each sequence
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, strategy="cp_fsdp" if args.fsdp else "cp",
                   parallel={"dp": args.dp, "cp": cp}, fsdp=args.fsdp, predict=dict(cp=cp), title=cp_title(args, cp),
@@ -88,8 +89,7 @@ def main():
                     if args.fsdp:
                         model.set_requires_gradient_sync(last)
                     with contextlib.nullcontext() if last or args.fsdp else model.no_sync():
-                        # (FSDP's policy computes in bf16 by itself: autocast only without it)
-                        with torch.autocast(ctx.device.type, dtype=args.amp_dtype,
+                        with torch.autocast(ctx.device.type, dtype=args.amp_dtype,  # (FSDP's policy: no autocast)
                                             enabled=args.amp != "off" and not args.fsdp):
                             logits = model(x)
                         # the mean over my tokens; the ranks' equal slices average to the batch's mean

@@ -8,8 +8,7 @@ rank (plain python runs it as a single rank):
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --zero1
     torchrun --nproc-per-node 4 step3_multi_gpu/train_ddp.py --ac full --compile
 runs/train_ddp/memory_trace.png has one panel per rank: 16 bytes per parameter on each (4
-weights, 4 gradients, 8 AdamW state); --zero1 keeps 8 + 8/W, the optimizer state being
-split over the W ranks.
+weights, 4 gradients, 8 AdamW state); --zero1 keeps 8 + 8/W (the AdamW state split W ways).
 
 Step 2's savers come along (--amp bf16, the default, or off; --ac, --compile, --fused-adamw,
 --grad-accum), each applied the way the strategy wants it: DDP autocasts its whole fp32
@@ -38,15 +37,34 @@ from common.run import Run
 from common.training import adamw, adamw_options, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
-@main_guard
-def main(argv=None):
+def parse(argv=None):
     p = cli.parser(__doc__)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are all-reduced after the last only")
     cli.add_loss_flags(p)
     p.add_argument("--zero1", action="store_true", help="shard the AdamW state over the ranks (ZeRO stage 1)")
     comm_hooks.add_comm_hook_flag(p)  # --comm-hook: compress each gradient bucket before it is all-reduced
-    args = cli.parse(p, argv)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh):
+    model = build_model(args.model_config, ctx.device, seed=args.seed)  # all of step 1's weights, on every rank
+    set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
+    apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
+    set_loss_chunks(model, args.loss_chunks)
+    apply_compile(model, args.compile)  # per block: the strategy's hooks stay outside the graphs
+    # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a second
+    # copy of 4N bytes. The buffers (RoPE tables) are constants: no broadcast before every forward.
+    model = DDP(model, device_mesh=mesh, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+    comm_hooks.register_comm_hook(model, args.comm_hook, **comm_hooks.powersgd_options(args))
+    # --zero1: each rank updates 1/W of the parameters (AdamW state 8N/W, not 8N), then broadcasts them
+    return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw_options(args)) \
+        if args.zero1 else adamw(model.parameters(), args)
+
+
+@main_guard
+def main(argv=None):
+    args = parse(argv)
     comm_hooks.check_comm_hook(args.comm_hook, **comm_hooks.powersgd_options(args))
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -58,19 +76,7 @@ def main(argv=None):
         # is one micro-step of all ranks together.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
-
-        model = build_model(args.model_config, ctx.device, seed=args.seed)  # all of step 1's weights, on every rank
-        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
-        set_loss_chunks(model, args.loss_chunks)
-        apply_compile(model, args.compile)  # per block: the strategy's hooks stay outside the graphs
-        # gradient_as_bucket_view: p.grad *is* a slice of the buckets DDP all-reduces, not a second
-        # copy of 4N bytes. The buffers (RoPE tables) are constants: no broadcast before every forward.
-        model = DDP(model, device_mesh=mesh, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
-        comm_hooks.register_comm_hook(model, args.comm_hook, **comm_hooks.powersgd_options(args))
-        # --zero1: each rank updates 1/W of the parameters (AdamW state 8N/W, not 8N), then broadcasts them
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw_options(args)) \
-            if args.zero1 else adamw(model.parameters(), args)
+        model, optimizer = build(args, ctx, mesh)  # step 1's model, AC, compile, DDP
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, **ddp_run_labels(args, mesh, optimizer),
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))

@@ -35,14 +35,35 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
-@main_guard
-def main(argv=None):
+def parse(argv=None):
     p = cli.parser(__doc__)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduce-scattered after the last only")
     cli.add_loss_flags(p)
     add_fsdp_flags(p)  # --no-reshard-after-forward (ZeRO-2), --hsdp, --cpu-offload, --split-root-unit, --float8
-    args = cli.parse(p, argv)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh):
+    with torch.device("meta"):  # shapes, no memory: the full model never exists anywhere
+        model = Transformer(args.model_config)
+    set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
+    model.float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)  # before fully_shard
+    apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
+    set_loss_chunks(model, args.loss_chunks)
+    # --amp bf16 is FSDP's mixed-precision policy: bf16 gathers (half the bytes autocast's fp32
+    # gathers would send), fp32 shards and AdamW, fp32 reduce-scatters.
+    apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
+               param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload, split_root=args.split_root_unit)
+    apply_compile(model, args.compile)  # per block: the strategy's hooks stay outside the graphs
+    materialize(model, ctx.device, cpu_offload=args.cpu_offload)  # each rank allocates its own shards
+    model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
+    return model, adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
+
+
+@main_guard
+def main(argv=None):
+    args = parse(argv)
     with distributed_for(args, cpu_collectives=args.cpu_offload) as ctx:  # (offloaded gradients: gloo beside NCCL)
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         check_fsdp_float8(args.float8, ctx)  # FSDP2 all-gathers float8 weights through NCCL only
@@ -54,21 +75,7 @@ def main(argv=None):
         # is one micro-step of all ranks together.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
-
-        with torch.device("meta"):  # shapes, no memory: the full model never exists anywhere
-            model = Transformer(args.model_config)
-        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)  # before fully_shard
-        apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
-        set_loss_chunks(model, args.loss_chunks)
-        # --amp bf16 is FSDP's mixed-precision policy: bf16 gathers (half the bytes autocast's fp32
-        # gathers would send), fp32 shards and AdamW, fp32 reduce-scatters.
-        apply_fsdp(model, mesh, reshard_after_forward=args.reshard_after_forward,
-                   param_dtype=args.amp_dtype, cpu_offload=args.cpu_offload, split_root=args.split_root_unit)
-        apply_compile(model, args.compile)  # per block: the strategy's hooks stay outside the graphs
-        materialize(model, ctx.device, cpu_offload=args.cpu_offload)  # each rank allocates its own shards
-        model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its piece of each
-        optimizer = adamw(model.parameters(), args)  # the parameters are shards: so is AdamW's state
+        model, optimizer = build(args, ctx, mesh)  # on meta, float8, AC, FSDP, compile, then each rank's shards
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, **fsdp_run_labels(args, mesh),
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device))
@@ -94,7 +101,7 @@ def main(argv=None):
             scheduler.step()  # the next step's learning rate
             run.evaluate_if_due(step)  # the held-out loss, every --eval-every steps and after the last
             run.save_if_due(step)  # --ckpt-every; after a stop signal every rank saves this step, then stops
-        run.finish(**({"float8": float8} if float8 else {}))
+        run.finish(**({"float8": model.float8} if model.float8 else {}))
 
 
 if __name__ == "__main__":

@@ -6,18 +6,15 @@ the batch flows through the ranks in micro-batches.
     torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule interleaved1f1b --n-layers 8
     torchrun --nproc-per-node 4 step3_multi_gpu/train_pp.py --schedule zbv --n-layers 8 --microbatches 8
 
-Only activations cross rank boundaries, point to point, once per micro-batch: the
-cheapest communication of any split, which is why pipelines span nodes. The cost is
-time: the first stage waits for nothing but the last waits for everyone, so each rank
-idles for a fraction (p-1)/(m+p-1) of a step (the bubble) with p stages and m
-micro-batches. GPipe runs all forwards then all backwards (m micro-batches of
-activations alive); 1F1B starts each backward as soon as it can (at most p alive);
-interleaved 1F1B gives each rank two smaller stages, which shrinks the bubble further.
-The zero-bubble schedules (zbv, dualpipev) also give each rank two stages, in a V (rank 0
-holds the first and the last), and split each backward in two: the input's gradient, which
-the previous stage waits for, at once; the weights', which nobody waits for, in the gaps.
-Step 2's savers come along: bf16 autocast (the default; --amp off for fp32), --ac, --compile,
---fused-adamw. A pipeline already accumulates over its micro-batches: --microbatches is its --grad-accum.
+Only activations cross rank boundaries, point to point, once per micro-batch: the cheapest
+communication of any split, which is why pipelines span nodes. The cost is time: each rank
+idles for a fraction (p-1)/(m+p-1) of a step (the bubble) with p stages and m micro-batches.
+GPipe runs all forwards then all backwards (m micro-batches of activations alive); 1F1B starts
+each backward as soon as it can (at most p alive); interleaved 1F1B gives each rank two smaller
+stages, shrinking the bubble. The zero-bubble schedules (zbv, dualpipev) give each rank two
+stages in a V (rank 0 holds the first and the last) and split each backward in two: the input's
+gradient, which the previous stage waits for, at once; the weights', in the gaps. Savers: bf16
+autocast (the default), --ac, --compile; --microbatches is a pipeline's --grad-accum.
 """
 import os
 import sys
@@ -41,13 +38,27 @@ from common.run import Run
 from common.training import adamw, autocast_forward, clip_grad_norm, lr_schedule
 
 
-@main_guard
-def main():
+def parse(argv=None):
     p = cli.parser(__doc__)
     add_pp_flags(p, microbatches=4)  # --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    args = cli.parse(p)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, my_stages, n_stages):
+    models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed) for s in my_stages]
+    for m in models:
+        apply_ac(m, args.ac, every=args.ac_every)  # per block, then compile it
+        apply_compile(m, args.compile)
+        autocast_forward(m, ctx.device, args.amp_dtype)  # the schedule calls forward: autocast goes on it
+    # one AdamW for the rank's stages; their layers keep the full model's names (so does the checkpoint)
+    return models, adamw([p for m in models for p in m.parameters()], args)
+
+
+@main_guard
+def main():
+    args = parse()
     check_no_accum(args)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)
@@ -57,27 +68,16 @@ def main():
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Every stage reads the same batch: the first needs the inputs, the last the targets.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, seed=args.seed)
-
-        # This rank's stages: one (gpipe, 1f1b), or two for the interleaved schedule (r and r + pp: each
-        # micro-batch loops through the ranks twice) and the V schedules (r and 2pp - 1 - r: down and back up).
+        # This rank's stages: one (gpipe, 1f1b), or two (interleaved: r and r + pp; a V: r and 2pp - 1 - r)
         my_stages = stage_indices(ctx.rank, pp, args.schedule)
         n_stages = pp * len(my_stages)
-        models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed) for s in my_stages]
-        for m in models:
-            apply_ac(m, args.ac, every=args.ac_every)  # per block, then compile it
-            apply_compile(m, args.compile)
-            # The schedule, not this script, calls each stage's forward: autocast goes on the
-            # forward itself. Activations cross stages in the residual stream's dtype (fp32).
-            autocast_forward(m, ctx.device, args.amp_dtype)
-        # Each stage module wrapped in PyTorch's PipelineStage, which sends and receives between
-        # ranks (a dry run's rank, with no neighbours to agree on shapes with, is told them).
+        models, optimizer = build(args, ctx, my_stages, n_stages)
+        # PyTorch's PipelineStage sends and receives between ranks (a dry run's lone rank is told the shapes)
         stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
                                  args.global_batch_size // args.microbatches, args.seq_len, args.amp_dtype or torch.float32)
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last, last = 0 in my_stages, n_stages - 1 in my_stages, last_stage_rank(pp, args.schedule)
-        optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        # This rank's stages share one optimizer; their layers keep the full model's names (so does the checkpoint).
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy="pp", parallel={"pp": pp},
                   title=f"Pipeline parallel ({args.schedule}, {args.microbatches} micro-batches)",
                   predict=dict(microbatches=args.microbatches, schedule=args.schedule), evaluate=lambda:

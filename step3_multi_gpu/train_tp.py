@@ -35,8 +35,7 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule
 
 
-@main_guard
-def main():
+def parse(argv=None):
     p = cli.parser(__doc__)
     p.add_argument("--sequence-parallel", action="store_true",
                    help="also split the activations between blocks (norms, residual) along the sequence")
@@ -44,7 +43,25 @@ def main():
                    help="compute the cross entropy on vocabulary-sharded logits (default: on)")
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    args = cli.parse(p)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, tp_mesh):
+    """Build on meta, split, then allocate: no rank ever holds a full weight matrix."""
+    with torch.device("meta"):
+        model = Transformer(args.model_config)
+    set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
+    apply_tp(model, tp_mesh, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+    apply_ac(model, args.ac, every=args.ac_every)  # per block, around the split block's forward
+    apply_compile(model, args.compile)  # per block, after the split: the graph holds the DTensor ops
+    model.to_empty(device=ctx.device)
+    model.init_weights(args.seed)  # each rank keeps its shard of the same full weights
+    return model, adamw(model.parameters(), args)  # AdamW state is sharded like the weights
+
+
+@main_guard
+def main():
+    args = parse()
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, fp16=False)  # every TP rank reads the whole batch
         check_tp(args.model_config, ctx.world_size, args.seq_len, args.sequence_parallel)
@@ -52,20 +69,9 @@ def main():
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         # Not data parallel: every rank reads the same whole batch.
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum, seed=args.seed)
-
-        # Build on meta, split, then allocate: no rank ever holds a full weight matrix.
-        with torch.device("meta"):
-            model = Transformer(args.model_config)
-        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        apply_tp(model, tp_mesh, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
-        apply_ac(model, args.ac, every=args.ac_every)  # per block, around the split block's forward
-        apply_compile(model, args.compile)  # per block, after the split: the graph holds the DTensor ops
-        model.to_empty(device=ctx.device)
-        model.init_weights(args.seed)  # each rank keeps its shard of the same full weights
-        optimizer = adamw(model.parameters(), args)  # AdamW state is sharded like the weights
+        # Each rank saves its shard of every weight (a DTensor) by name: 4 TP ranks' checkpoint loads on 2, or in FSDP.
+        model, optimizer = build(args, ctx, tp_mesh)
         scheduler = lr_schedule(optimizer, args)
-        # Each rank saves its shard of every weight (a DTensor) by parameter name: a
-        # checkpoint from 4 TP ranks loads on 2, or into DDP / FSDP, and back.
         # The logits are split over the vocabulary; cross entropy (and its backward) must
         # run under loss_parallel() to work on the shards.
         loss_context = loss_parallel if args.loss_parallel else contextlib.nullcontext
@@ -75,7 +81,6 @@ def main():
                   evaluate=lambda: evaluate(model, corpus.val, args, ctx.device, loss_context))
         run.resume()  # --resume: the newest checkpoint's model, optimizer, schedule and data position
         batches = iter(data)
-
         for step in run.steps():
             with run.step(step):
                 step_loss = torch.zeros((), device=ctx.device)

@@ -358,7 +358,7 @@ def test_savers_change_nothing_in_fp32(job2):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_runs_match_the_one_device_bf16_run(world, request):
-    """Each split's bf16 losses against one device's (tests/tolerances.py says why 2x the bf16 gap)."""
+    """Each split's bf16 losses against one device's (tests/tolerances.py says why 4 bf16 gaps)."""
     job = request.getfixturevalue(f"job{world}")
     for name in ("ddp_bf16", "zero1_bf16", "fsdp_bf16"):
         if name in job:  # ZeRO-1 at 4 ranks only

@@ -24,14 +24,20 @@ def check_bf16_parity(name: str, got: list[float], ref16: list[float], ref32: li
     """A bf16 run of some split against the one-device bf16 run.
 
     bf16 rounds each sum differently depending on how the work is split (other reduction
-    orders; FSDP's policy also rounds the norm gains to bf16, which autocast keeps in fp32),
-    so no two bf16 runs agree to fp32's 1e-5. The yardstick is bf16 itself: the losses may
-    be no farther from the one-device bf16 run than twice the farthest that run is from
-    fp32, and must differ from fp32 (the run really computed in bf16).
+    orders), and a split rounds where one device does not (FSDP's policy gathers bf16
+    weights, the norm gains among them, which autocast keeps in fp32; TP sums bf16 partial
+    products), so no two bf16 runs agree to fp32's 1e-5. The yardstick is bf16 itself: the
+    one-device bf16 run's largest distance from fp32 (the gap). A split's own distance from
+    fp32 reaches about twice the gap (3-D: 1.8 to 1.9 gaps on Intel's AMX kernels and on
+    AVX2's, measured with ATEN_CPU_CAPABILITY=avx2, what an AMD EPYC of before Zen 4 runs);
+    the two distances add, and four steps' largest is a rough scale: the losses may be no
+    farther from the one-device bf16 run than 4 gaps (a bug moves them by tens of gaps),
+    and must differ from fp32 (the run really computed in bf16).
     """
     gap = bf16_gap(ref16, ref32)
     assert gap > 1e-6, "the bf16 reference must differ from fp32"
-    assert max(abs(a - b) for a, b in zip(got, ref16)) <= 2 * gap, (name, got, ref16, ref32)
+    far = max(abs(a - b) for a, b in zip(got, ref16))
+    assert far <= 4 * gap, (name, f"{far / gap:.2f} gaps from the one-device bf16 run", got, ref16, ref32)
     assert got != ref32, name
 
 

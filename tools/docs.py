@@ -194,6 +194,9 @@ VALUES = {
     "h200.eager-ratio": lambda: f"{_h200_ms('eager') / NANOGPT_MS['eager']:.2f}x",
     "h200.compiled-ratio": lambda: f"{_h200_ms('compiled') / NANOGPT_MS['compiled']:.2f}x",
     "h200.dry8b-allocated": lambda: f"{_dry8b('allocated'):.2f} GiB",
+    "h200.dry8b-peak": lambda: f"{_h200('dry8b.log', r'dry run peak ([0-9.]+) GiB'):.2f} GiB",
+    "h200.dry8b-activations": lambda: f"{_h200('dry8b.log', r'activations +[0-9.]+ +([0-9.]+)'):.2f} GiB",
+    "h200.dry8b-other": lambda: f"{_h200('dry8b.log', r'other .measured: temporaries. +([0-9.]+)'):.2f} GiB",
     "h200.dry8b-reserved": lambda: f"{_dry8b('reserved'):.2f} GiB",
     "h200.dry8b-ratio": lambda: f"{_dry8b('reserved') / _dry8b('allocated'):.2f}x",
     # README.md: what the default figures command makes, the GPU report, the Slurm script

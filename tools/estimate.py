@@ -8,8 +8,9 @@
 From the formulas of common/measure/formulas.py (added up by theory.py), and with ``--trace`` also from a real forward,
 backward and optimizer step of the model run under ``FakeTensorMode``: every tensor has
 a shape, a dtype and a device but no memory, and a fake process group (``backend="fake"``,
-whose collectives do nothing) lets DDP, FSDP2 and tensor parallelism build as they would
-on ``--world-size`` GPUs. common/measure/memory.py's tracer, which only looks at storages' sizes,
+whose collectives do nothing) lets each layout's own script build it (its ``build``, found
+through common/layouts.py: FSDP2, tensor, context and pipeline parallelism as on
+``--world-size`` GPUs; DDP's wrapper left out, see ``_traceable_build``). common/measure/memory.py's tracer, which only looks at storages' sizes,
 measures rank 0 by category. Pipeline parallelism (``--strategy pp``, GPipe or 1F1B) is
 traced on the rank the formulas find fullest: that rank's stage replays the schedule's
 textbook order of micro-batch forwards and backwards (common/parallelize/pp.py's
@@ -44,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file (python tools/x.py): find common/
 
+from common import layouts
 from common.errors import UserError, main_guard
 from common.prepared import take_vocab
 from common.measure.byte_units import fmt_bytes
@@ -229,11 +231,6 @@ def check_layouts(ps) -> None:
                             + "; use a multiple of that.")
 
 
-# The script that trains each strategy: a mixture of experts is refused in that script's words.
-SCRIPT_OF = {"single": "train.py", "ddp": "train_ddp.py", "zero1": "train_ddp.py", "tp": "train_tp.py",
-             "pp": "train_pp.py", "2d": "train_2d.py", "ep": "train_ep.py"}
-
-
 def check_moe_layouts(ps, model: str) -> None:
     """Expert parallelism's layouts (check_ep, train_ep.py's check) and mixture-of-experts
     presets under the strategies that cannot train them (cli's sentence)."""
@@ -243,7 +240,8 @@ def check_moe_layouts(ps, model: str) -> None:
         if p.strategy == "ep":
             check_ep(p.cfg, model, p.ep or p.world, p.world)
         elif p.cfg.n_experts and p.strategy != "single":
-            raise UserError(cli.moe_unsupported(model, SCRIPT_OF.get(p.strategy, "train_fsdp.py")))
+            # (refused in the words of the script that trains the layout: common/layouts.py)
+            raise UserError(cli.moe_unsupported(model, os.path.basename(layouts.script_of(p))))
 
 
 def plans(args) -> list[Plan]:
@@ -325,29 +323,118 @@ def trace(p: Plan, rank: int | None = None) -> dict:
 
 def _trace(p: Plan, rank: int | None) -> dict:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from common.measure.memory import MemoryTracer
-    from common.model import Transformer
 
     if why := traceable(p):
         raise UserError(f"{why}; drop --trace for the formula alone.")
+    with fake_build(p, rank) as (model, optimizer, rank):
+        optimizer = _plan_kernels(p, optimizer)
+        out = _trace_stage(p, rank, model, optimizer, torch, F) if p.pp > 1 else \
+            _trace_step(p, model, optimizer, torch, F)
+    return dict(out, rank=rank)
+
+
+@contextlib.contextmanager
+def fake_build(p: Plan, rank: int | None = None):
+    """Plan ``p``'s model (under PP, stage ``rank``'s: by default the rank the formulas find
+    fullest) and AdamW, built by the layout's own script (common/layouts.py: its flags, its
+    ``build``) on fake tensors, on a fake process group of ``p.world`` ranks. Yields (model,
+    optimizer, rank); tests/test_layouts.py holds it equal to what the script builds."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from common.distributed import Dist
+
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.world)
     try:
-        mesh = _mesh(p)  # before faking: building a mesh reads real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes():
+        module, args = layouts.build_module(p), trace_args(p)
+        ctx = Dist(0, p.world, 0, torch.device("cpu"), "fake", launched=False, fake=True)
+        mesh = _mesh(p, ctx)  # before faking: building a mesh reads real tensors
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), _traceable_build(module):
             if p.pp > 1:
                 rank = worst_rank(p)["rank"] if rank is None else rank
-                return _trace_stage(p, rank, torch, F, MemoryTracer, Transformer)
-            return dict(_trace_step(p, mesh, torch, F, MemoryTracer, Transformer), rank=0)
+                models, optimizer = module.build(args, ctx, [rank], p.pp)  # one stage per rank
+                yield models[0], optimizer, rank
+            else:
+                model, optimizer = module.build(args, ctx, mesh)
+                yield model, optimizer, 0
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def trace_args(p: Plan):
+    """The flags the layout's script parses for plan ``p`` (common/layouts.py), on the CPU, with
+    the plan's model, the AdamW kernels it names, and no check of this machine (nothing is
+    allocated and nothing written: common/cli.py's ``for_a_trace``)."""
+    import torch
+
+    from common import cli
+    extra = [*layouts.model_flags(p.cfg), "--device", "cpu", "--data", "synthetic"]
+    extra += ["--fused-adamw"] if p.optimizer == "fused" else []
+    with cli.for_a_trace():
+        args = layouts.build_args(p, extra)
+    cli.check_memory_savers(args, torch.device("cpu"), dp_size=None, fp16=False)  # (as each script's main: args.amp_dtype)
+    args.model_config = p.cfg  # (the same config: model_flags names its preset, layers and vocabulary)
+    return args
+
+
+def _plan_kernels(p: Plan, optimizer):
+    """The plan's AdamW kernels (``Plan.optimizer``: CUDA's foreach by default for --device cuda,
+    the CPU's one-tensor loop for cpu), whatever this process would pick: the foreach step's
+    temporaries are then traced where the formula counts them. The groups are the build's
+    (one per kind of parameter, common/training.py), so foreach never mixes DTensors and
+    plain tensors. AdamW's state is made first (``_adamw_state``): the traced step is a
+    steady one."""
+    import torch
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            group["foreach"] = p.optimizer == "foreach"
+    if p.strategy not in ("cp", "cp_fsdp"):  # (CP's trace takes a first step of its own: _trace_step)
+        _adamw_state(optimizer, torch, set_to_none=p.strategy != "ddp")
+    return optimizer
+
+
+@contextlib.contextmanager
+def _traceable_build(module):
+    """What the script's build needs to run under fake tensors:
+
+    - DDP itself cannot be faked: its C++ Reducer checks and buckets real storage. One DDP
+      replica holds exactly what one device holds at batch / W (its gradients are views of
+      the buckets, which the trace keeps between steps instead of freeing them), so the build
+      runs with DDP's wrapper, and the comm hook it registers, left out.
+    - A model built on the meta device is built with real meta tensors. A fake one could not
+      be materialised: ``to_empty`` swaps a fake parameter for its storage in place, which
+      PyTorch refuses ("it has a weakref associated with it"); a real meta parameter is
+      replaced by a fake one on the CPU, as a real run replaces it by real storage.
+    """
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import common.model
+    import common.parallelize.pp
+    from common.parallelize import comm_hooks
+    from common.model import Transformer
+
+    def on_real_meta(*args, **kwargs):
+        with unset_fake_temporarily():  # (the script's torch.device("meta") still applies)
+            return Transformer(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for owner in (module, common.model, common.parallelize.pp):
+            if hasattr(owner, "Transformer"):
+                stack.enter_context(mock.patch.object(owner, "Transformer", on_real_meta))
+        if hasattr(module, "DDP"):
+            stack.enter_context(mock.patch.object(module, "DDP", lambda model, **kwargs: model))
+        for owner in (module, comm_hooks):
+            if hasattr(owner, "register_comm_hook"):
+                stack.enter_context(mock.patch.object(owner, "register_comm_hook", lambda *a, **k: None))
+        yield
 
 
 @contextlib.contextmanager
@@ -370,43 +457,35 @@ def _real_meshes():
         DeviceMesh.__init__ = init
 
 
-def _trace_stage(p: Plan, rank: int, torch, F, MemoryTracer, Transformer) -> dict:
-    """Pipeline stage ``rank`` of plan ``p`` (one stage per rank): its forwards and backwards
-    in the schedule's order. Its inputs, unless it is the first stage, and the gradients of
-    its outputs, unless it is the last, are fake tensors of the shapes its neighbours send."""
-    from common.parallelize.pp import prune_to_stage, schedule_order
+def _trace_stage(p: Plan, rank: int, model, optimizer, torch, F) -> dict:
+    """Pipeline stage ``rank`` of plan ``p`` (one stage per rank, as train_pp.py's build makes
+    it: AC and autocast on its forward): its forwards and backwards in the schedule's order.
+    Its inputs, unless it is the first stage, and the gradients of its outputs, unless it is
+    the last, are fake tensors of the shapes its neighbours send."""
+    from common.measure.memory import MemoryTracer
+    from common.parallelize.pp import schedule_order
 
-    model = prune_to_stage(Transformer(p.cfg), rank, p.pp)
-    if p.ac != "none":
-        from common.parallelize.ac import apply_ac
-        apply_ac(model, p.ac)
-    optimizer = _adamw(p, model)
-    _adamw_state(optimizer, torch, set_to_none=True)
     tracer = MemoryTracer(model, optimizer, torch.device("cpu"), start=0, steps=1, count_allocator=False)
     m = p.microbatches or p.pp
-    first, last, amp = rank == 0, rank == p.pp - 1, p.dtype == "bf16"
+    first, last = rank == 0, rank == p.pp - 1
     shape = (p.batch // m, p.seq_len)
-    for step in range(1):
-        with tracer.record(step):
-            in_flight = {}
-            for kind, i in schedule_order(p.schedule, p.pp, m)[rank]:
-                if kind == "F":
-                    x = (torch.randint(0, p.cfg.vocab_size, shape) if first
-                         else torch.randn(*shape, p.cfg.dim, requires_grad=True))  # the residual stream, fp32
-                    # An autocast region per forward, as train_pp.py puts autocast on the stage's
-                    # forward: each micro-batch in flight keeps its own bf16 copies of the weights.
-                    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                        out = model(x)
-                    if last:  # the loss of this micro-batch, scaled as the schedule scales it
-                        out = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(
-                            0, p.cfg.vocab_size, shape).flatten()) / m
-                    in_flight[i] = out
-                else:
-                    out = in_flight.pop(i)
-                    out.backward(None if last else torch.empty_like(out))  # the next stage's gradient
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return dict(_traced(tracer), rank=rank)
+    with tracer.record(0):
+        in_flight = {}
+        for kind, i in schedule_order(p.schedule, p.pp, m)[rank]:
+            if kind == "F":
+                x = (torch.randint(0, p.cfg.vocab_size, shape) if first
+                     else torch.randn(*shape, p.cfg.dim, requires_grad=True))  # the residual stream, fp32
+                out = model(x)  # (an autocast region per forward: each micro-batch keeps its own bf16 copies)
+                if last:  # the loss of this micro-batch, scaled as the schedule scales it
+                    out = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(
+                        0, p.cfg.vocab_size, shape).flatten()) / m
+                in_flight[i] = out
+            else:
+                out = in_flight.pop(i)
+                out.backward(None if last else torch.empty_like(out))  # the next stage's gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return _traced(tracer)
 
 
 def _adamw_state(optimizer, torch, set_to_none: bool):
@@ -422,74 +501,37 @@ def _adamw_state(optimizer, torch, set_to_none: bool):
     optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def _adamw(p: Plan, model):
-    """AdamW with the plan's kernels (``Plan.optimizer``: CUDA's foreach by default for --device cuda,
-    the CPU's one-tensor loop for cpu), whatever this process would pick: the foreach step's
-    temporaries are then traced where the formula counts them. One group per kind of parameter,
-    as the scripts' (common/training.py), so foreach never mixes DTensors and plain tensors."""
-    import torch
-
-    from common.training import param_groups_by_kind
-    return torch.optim.AdamW(param_groups_by_kind(model.parameters()), lr=1e-3, foreach=p.optimizer == "foreach",
-                             fused=True if p.optimizer == "fused" else None)
-
-
-def _mesh(p: Plan):
-    from torch.distributed.device_mesh import init_device_mesh
-    if p.strategy in ("cp", "cp_fsdp"):  # train_cp.py's (dp, cp) mesh, and FSDP's over every rank
+def _mesh(p: Plan, ctx):
+    """The mesh each script's main builds for its layout and hands to its build."""
+    if p.strategy in ("cp", "cp_fsdp"):  # train_cp.py's (dp, cp) mesh, and the one its build asks for
         cp = p.cp or p.world
-        return (init_device_mesh("cpu", (p.world // cp, cp), mesh_dim_names=("dp", "cp")),
-                init_device_mesh("cpu", (p.world,), mesh_dim_names=("dp_cp",)))
-    if p.strategy in ("tp", "2d"):
-        return init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
+        ctx.mesh((p.world,), ("dp_cp",))  # (made here, outside the fake mode; the build finds it made)
+        return ctx.mesh((p.world // cp, cp), ("dp", "cp"))
+    if p.strategy == "tp":
+        return ctx.mesh((p.world,), ("tp",))
+    if p.strategy == "2d":
+        return ctx.mesh((p.dp, p.tp), ("dp", "tp"))
     if p.strategy == "hsdp":
-        return init_device_mesh("cpu", (p.world // p.shard, p.shard), mesh_dim_names=("replicate", "shard"))
-    if p.world > 1:
-        return init_device_mesh("cpu", (p.world,), mesh_dim_names=("dp",))
-    return None
+        return ctx.mesh((p.world // p.shard, p.shard), ("replicate", "shard"))
+    return ctx.mesh() if p.pp == 1 else None
 
 
-def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
-    from common.parallelize.ac import apply_ac
-    from common.model import set_loss_chunks
-    from common.parallelize.fsdp import apply_fsdp, trace_fsdp_memory
+def _trace_step(p: Plan, model, optimizer, torch, F) -> dict:
+    """One steady step of the model ``model`` its script built, as its script's loop runs it."""
+    from common.measure.memory import MemoryTracer
+    from common.parallelize.fsdp import trace_fsdp_memory
 
     device = torch.device("cpu")
-    model = Transformer(p.cfg)  # fake parameters: shapes and dtypes, no storage behind them
     cp = p.strategy in ("cp", "cp_fsdp")
-    if cp:  # the ring's sends and receives run on the fake process group; its masks are real
-        from common.parallelize.cp import apply_cp
-        mesh, every_rank = mesh
-        apply_cp(model, mesh["cp"])
-    if p.ac != "none":
-        apply_ac(model, p.ac)
-    set_loss_chunks(model, p.loss_chunks)
     fsdp = p.strategy.startswith(("fsdp", "hsdp")) or p.strategy in ("2d", "cp_fsdp")
-    if cp and fsdp:
-        apply_fsdp(model, every_rank, param_dtype=torch.bfloat16 if p.dtype == "bf16" else None)
-    elif p.strategy in ("tp", "2d"):
-        from common.parallelize.tp import apply_tp
-        apply_tp(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
-        if p.dp > 1:
-            apply_fsdp(model, mesh["dp"])
-    elif fsdp:
-        apply_fsdp(model, mesh, reshard_after_forward=p.strategy.endswith("zero3"),
-                   param_dtype=torch.bfloat16 if p.dtype == "bf16" else None, split_root=p.split_root)
-    # DDP itself cannot be faked: its C++ Reducer checks and buckets real storage. One DDP
-    # replica holds exactly what one device holds at batch / W (its gradients are views of
-    # the buckets), so that is what is traced for it.
-    module = model
-    optimizer = _adamw(p, model)
     # CP's ring builds small masks at its first forward and keeps them, which a steady step
     # starts with: it takes a first step, untraced; every other layout starts steady at once
     first = 1 if cp else 0
-    if not first:
-        _adamw_state(optimizer, torch, set_to_none=p.strategy != "ddp")
     tracer = MemoryTracer(model, optimizer, device, start=first, steps=1, count_allocator=False)
     if fsdp:
         trace_fsdp_memory(tracer, model)
-    # autocast is the bf16 recipe of one device, DDP and TP; FSDP's is its MixedPrecisionPolicy
-    amp = p.dtype == "bf16" and not (fsdp and p.strategy != "2d")
+    # autocast is the bf16 recipe of one device, DDP, TP and CP; FSDP's is its MixedPrecisionPolicy
+    amp = p.dtype == "bf16" and not fsdp
     seqs = p.batch // (p.world // (p.cp or p.world) if cp else p.dp)
     loss_ctx = contextlib.nullcontext
     if p.strategy in ("tp", "2d"):
@@ -504,11 +546,11 @@ def _trace_step(p: Plan, mesh, torch, F, MemoryTracer, Transformer) -> dict:
                 x, y = local_tokens(x, model.cp_ring), local_tokens(y, model.cp_ring)
             if p.head_loss:  # the script asks the model for the loss (train_ddp.py, train_fsdp.py: --loss-chunks)
                 with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                    loss = module(x, targets=y)
+                    loss = model(x, targets=y)
                 loss.backward()
             else:  # the script holds the logits (under TP split over the vocabulary)
                 with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                    logits = module(x)
+                    logits = model(x)
                 with loss_ctx():
                     loss = F.cross_entropy(logits.flatten(0, 1).float() if amp or cp else logits.flatten(0, 1),
                                            y.flatten())
@@ -538,32 +580,15 @@ def dry_run_command(p: Plan, args) -> list[str]:
         raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
                         f"fsdp, hsdp, tp, 2d, pp, cp, cp_fsdp, ep), not {label(p)}; for 3-D run "
                         f"step3_multi_gpu/train_3d.py --fake-world-size yourself.")
-    cp_groups = ["--dp", str(p.world // (p.cp or p.world))]
-    script, extra = {
-        "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
-        "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]), "fsdp_zero3": ("train_fsdp.py", []),
-        "hsdp": ("train_fsdp.py", ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard or p.world)]),
-        "tp": ("train_tp.py", []), "2d": ("train_2d.py", ["--tp", str(p.tp)]),
-        # the rank the formulas find fullest (the first, under 1F1B)
-        "pp": ("train_pp.py", ["--schedule", p.schedule, "--microbatches", str(p.microbatches or p.pp),
-                               "--fake-rank", str(worst_rank(p)["rank"])]),
-        "cp": ("train_cp.py", cp_groups), "cp_fsdp": ("train_cp.py", [*cp_groups, "--fsdp"]),
-        "ep": ("train_ep.py", ["--ep", str(p.ep or p.world)]),
-    }[p.strategy]
-    if p.sequence_parallel:
-        extra.append("--sequence-parallel")
-    if p.loss_chunks > 1:
-        extra += ["--loss-chunks", str(p.loss_chunks)]
-    if p.split_root:
-        extra.append("--split-root-unit")
+    extra = layouts.layout_flags(p)
+    if p.pp > 1:  # the rank the formulas find fullest (the first, under 1F1B)
+        extra += ["--fake-rank", str(worst_rank(p)["rank"])]
     if getattr(args, "expandable_segments", False):
         extra.append("--expandable-segments")
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
     model += ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
-    return [f"step3_multi_gpu/{script}", *model, *extra, "--global-batch-size", str(p.batch),
-            "--seq-len", str(p.seq_len), "--amp", "off" if p.dtype == "fp32" else "bf16", "--ac", p.ac,
-            "--device", p.device, "--data", "synthetic", "--steps", "3", "--trace-steps", "1",
-            "--eval-batches", "0", "--fake-world-size", str(p.world)]
+    return [layouts.script_of(p), *model, *extra, "--device", p.device, "--data", "synthetic", "--steps", "3",
+            "--trace-steps", "1", "--eval-batches", "0", "--fake-world-size", str(p.world)]
 
 
 def dry_run(p: Plan, args) -> dict:

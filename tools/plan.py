@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file: find common/
 
+from common.layouts import layout_flags, script_of  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
 from common.prepared import take_vocab  # noqa: E402
 from common.measure.machines import GPUS, Machine, load_calibration  # noqa: E402
@@ -206,28 +207,10 @@ def command(p: Plan, args, per_node: int) -> str:
     nodes = max(1, p.world // per_node)
     launch = f"torchrun --nproc-per-node {min(p.world, per_node)}" if nodes == 1 else \
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500"
-    script, extra = {
-        "ddp": ("train_ddp.py", []), "zero1": ("train_ddp.py", ["--zero1"]),
-        "fsdp_zero3": ("train_fsdp.py", []), "fsdp_zero2": ("train_fsdp.py", ["--no-reshard-after-forward"]),
-        "hsdp": ("train_fsdp.py", ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard)]),
-        "tp": ("train_tp.py", []), "2d": ("train_2d.py", ["--tp", str(p.tp)]),
-        "pp": ("train_pp.py", ["--schedule", p.schedule, "--microbatches", str(p.microbatches)]),
-        "cp": ("train_cp.py", ["--dp", str(p.world // (p.cp or p.world))]),
-        "cp_fsdp": ("train_cp.py", ["--dp", str(p.world // (p.cp or p.world)), "--fsdp"]),
-    }[p.strategy]
-    if p.strategy == "2d" and p.pp > 1:
-        script, extra = "train_3d.py", ["--pp", str(p.pp), "--dp", str(p.dp), "--tp", str(p.tp), "--schedule",
-                                        p.schedule, "--microbatches", str(p.microbatches)]
-    if p.sequence_parallel:
-        extra.append("--sequence-parallel")
-    extra += ["--loss-chunks", str(p.loss_chunks)] if p.loss_chunks > 1 else []
-    extra += ["--split-root-unit"] if p.split_root else []
     model = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
     model += _data_flags(args)
-    flags = [*model, *extra, "--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac]
-    flags += ["--amp", "off"] if p.dtype == "fp32" else []
-    flags += ["--compile"] if args.compile else []
-    return f"{launch} step3_multi_gpu/{script} " + " ".join(flags)
+    flags = [*model, *layout_flags(p)] + (["--compile"] if args.compile else [])
+    return f"{launch} {script_of(p)} " + " ".join(flags)  # (the layout's script: common/layouts.py)
 
 
 def _data_flags(args) -> list[str]:
@@ -241,15 +224,8 @@ def _data_flags(args) -> list[str]:
 def _one_device_command(p: Plan, args) -> str:
     """One GPU: the one-device chapters' scripts (step 1's fp32 baseline; step 2's bf16, with AC)."""
     flags = ["--model", args.model] + (["--n-layers", str(args.n_layers)] if args.n_layers else [])
-    flags += _data_flags(args)
-    flags += ["--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len)]
-    if p.dtype == "fp32" and p.ac == "none":
-        script = "step1_single_gpu/train.py"
-    else:
-        script = "step2_memory/train_amp.py" if p.ac == "none" else "step2_memory/train_amp_ac.py"
-        flags += ["--amp", "bf16" if p.dtype == "bf16" else "off"] + (["--ac", p.ac] if p.ac != "none" else [])
-    flags += ["--compile"] if args.compile else []
-    return f"python {script} " + " ".join(flags)
+    flags += _data_flags(args) + layout_flags(p) + (["--compile"] if args.compile else [])
+    return f"python {script_of(p)} " + " ".join(flags)
 
 
 def evaluate(ps: list[Plan], machine: Machine, compiled: bool, headroom: float) -> tuple[list[dict], list[dict]]:
@@ -610,8 +586,8 @@ def torchtitan_text(rows: list[dict] | None = None) -> str:
              f"benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md for FSDP 8 x TP 8) on {m.name}: matmuls at "
              f"{m.matmul_rate('bf16') / 1e12:.0f} TFLOP/s eager, {m.matmul_rate('bf16', True) / 1e12:.0f} compiled "
              f"(the fractions of 989 our 1b model reached on an H200: figs/gpu_check_h200.md), HBM {m.hbm / 1e12:.1f} TB/s, NVLink {m.intra.bandwidth / 1e9:.0f} "
-             f"GB/s and {m.inter.bandwidth / 1e9:.0f} GB/s a GPU across hosts (busbw); AC selective is torchtitan's "
-             f"per-op policy, its recompute charged as it runs (every second matmul again)", "",
+             f"GB/s and {m.inter.bandwidth / 1e9:.0f} GB/s a GPU across hosts (busbw); AC selective-op is torchtitan's "
+             f"selective (its per-op policy), its recompute charged as it runs (every second matmul again)", "",
              "| run | GPUs | seq | AC | tokens/s/GPU theirs | ours | ours/theirs | GiB theirs (reserved) | ours (peak) "
              "| ours/theirs | where our step goes (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows or torchtitan_rows():

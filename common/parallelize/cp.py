@@ -73,9 +73,9 @@ def check_cp(cfg: ModelConfig, cp: int, seq_len: int, load_balance: bool, ac: st
     """Refuse a sequence that does not split into equal slices, and selective activation
     checkpointing (before any collective)."""
     if ac.startswith("selective"):
-        raise UserError(f"--ac {ac} is not offered with context parallelism: its policy keeps every matmul's "
-                        "output, and inside the ring's attention those are each step's (seq/cp)^2 scores; use --ac "
-                        "full.")
+        raise UserError(f"--ac {ac} is not offered with context parallelism: a selective policy keeps "
+                        "matmuls' outputs, and inside the ring's attention those are each step's (seq/cp)^2 scores; "
+                        "use --ac full.")
     chunks = 2 * cp if load_balance else cp
     if seq_len % chunks:
         how = (f"2 x the context-parallel degree {cp} (load balancing gives each rank two chunks)" if load_balance
