@@ -47,6 +47,7 @@ def hang_limit(seconds: float) -> float:
 # written at the end of a run of the whole suite to runs/test_times.json, from which
 # `python -m tools.test_times` writes the README's table of them.
 _FILE_SECONDS: dict[str, float] = {}
+_FAILED: set[str] = set()
 _STARTED = [0.0]
 
 
@@ -58,6 +59,8 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    if report.failed:
+        _FAILED.add(report.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -71,7 +74,7 @@ def pytest_sessionfinish(session, exitstatus):
     (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs" / "test_times.json").write_text(json.dumps({
         "wall_s": round(time.time() - _STARTED[0], 1), "exit_status": int(exitstatus),
-        "workers": _workers(session), "cpu": _cpu(),
+        "workers": _workers(session), "cpu": _cpu(), "failed": sorted(_FAILED),
         "files": {p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}}, indent=1))
 
 

@@ -148,14 +148,17 @@ def test_the_readme_says_how_to_run_the_tests():
     assert "python -m venv .venv" in ci and "pip install --quiet --disable-pip-version-check -r requirements.txt" in ci
     quick = re.search(r"python -m pytest (tests/test_\w+\.py(?: tests/test_\w+\.py)+)", readme)
     assert quick and all((ROOT / f).exists() for f in quick.group(1).split())
-    # the suite's time: each file's, from a full run (tools/test_times.py), every test file in it
+
+
+def test_the_readme_lists_every_test_files_time():
+    """The suite's time: each file's, from a full run (tools/test_times.py), every test file in it."""
     from tools.docs import block
     rows = re.findall(r"^\| (tests/test_\w+\.py) \|", block("test-times")[1], re.M)
     assert sorted(rows) == sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")), \
         "stale: run the whole suite, then python -m tools.test_times"
 
 
-def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tmp_path, capsys):
+def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tmp_path, capsys, monkeypatch):
     """tools/test_times.py: each file's seconds and share of a full run, slowest first; a run
     that failed, or none, is refused in one sentence."""
     import json
@@ -170,6 +173,13 @@ def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tm
     path.write_text(json.dumps(times | {"exit_status": 1}))
     assert test_times.main(["--times", str(path)]) == 2
     assert test_times.main(["--times", str(tmp_path / "none.json")]) == 2
+    # a run whose one failure is the table's own check (a new file without a row) is the suite's
+    path.write_text(json.dumps(times | {"exit_status": 1, "failed": [test_times.STALE_TABLE, "tests/test_a.py::x"]}))
+    assert test_times.main(["--times", str(path)]) == 2
     err = capsys.readouterr().err
     assert "failed (exit status 1)" in err and "run the whole suite first" in err
+    written = {}
+    monkeypatch.setattr("tools.figures.update_readme", written.update)
+    path.write_text(json.dumps(times | {"exit_status": 1, "failed": [test_times.STALE_TABLE]}))
+    assert test_times.main(["--times", str(path)]) == 0 and written == {"test-times": text}
 

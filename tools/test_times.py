@@ -3,7 +3,9 @@
     python -m pytest -n auto       # a full run writes runs/test_times.json (tests/conftest.py)
     python -m tools.test_times     # that run's times into README.md's test section
 
-The table is of the whole suite only: a run of some files, or one that failed, is refused.
+The table is of the whole suite only: a run of some files, or one that failed, is refused,
+except a run whose one failure is the table's own check (a test file it has no row for yet:
+the failure this command fixes).
 """
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+# the test that fails while the table lacks a test file's row (tests/test_docs.py)
+STALE_TABLE = "tests/test_docs.py::test_the_readme_lists_every_test_files_time"
 
 
 def table(times: dict) -> str:
@@ -39,7 +45,7 @@ def main(argv=None) -> int:
         print(f"error: no {path}: run the whole suite first (python -m pytest)", file=sys.stderr)
         return 2
     times = json.loads(path.read_text())
-    if times["exit_status"] != 0:
+    if times["exit_status"] != 0 and set(times.get("failed") or ["?"]) != {STALE_TABLE}:
         print(f"error: the run in {path} failed (exit status {times['exit_status']}): its times are not the suite's; "
               f"fix it and run it again", file=sys.stderr)
         return 2
