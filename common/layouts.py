@@ -2,11 +2,12 @@
 table, read by the planner's commands (tools/plan.py), the estimator's dry runs and its
 fake-tensor traces (tools/estimate.py), so that what they predict is what the scripts run.
 
-Each step-3 script defines ``parse(argv)`` (its flags) and ``build(args, ctx, ...)`` (the
-model on the meta device, the savers, the parallelism, compile, materialisation and AdamW's
-parameter groups); its ``main`` calls both, and so does the estimator's trace, under fake
-tensors. tests/test_layouts.py holds the traced model of each layout equal to the one the
-script builds.
+Each step-3 training script (DeepSpeed's comparison aside) defines ``parse(argv)`` (its
+flags) and ``build(args, ctx, ...)`` (the model on the meta device, the savers, the
+parallelism, compile, materialisation and AdamW's parameter groups); its ``main`` calls
+both, and so does the estimator's trace, under fake tensors, for the layouts it traces
+(``BUILD_OF``). tests/test_layouts.py holds the traced model of each of them equal to the
+one the script builds.
 """
 from __future__ import annotations
 

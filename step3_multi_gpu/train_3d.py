@@ -3,16 +3,12 @@ nodes of a stage, tensor parallel inside a node: how the largest models train.
 
     torchrun --nproc-per-node 8 step3_multi_gpu/train_3d.py --pp 2 --dp 2 --tp 2 --n-layers 4
 
-(Degrees left out are filled in from the world size: tp 2 and pp 2 where they divide it,
-dp the rest; plain python runs 1 x 1 x 1.)
-
-Rank r sits at (pp, dp, tp) in a grid, tp varying fastest: the ranks of a TP group are
-consecutive, i.e. on one node. Every stage of the pipeline is a 2-D (FSDP x TP) model of
-its own layers (train_2d.py), and each data-parallel replica of the pipeline reads its
-slice of the batch and runs the schedule on it (train_pp.py). The three use different
-links: TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters between the nodes
-of a stage, PP's point-to-point activations between stages. Step 2's savers come along:
---amp bf16 (the default; FSDP's mixed-precision policy), --ac, --compile, --fused-adamw.
+(Degrees left out: tp 2 and pp 2 where they divide the world size, dp the rest.) Rank r
+sits at (pp, dp, tp) in a grid, tp varying fastest: a TP group's ranks are consecutive, on
+one node. Every pipeline stage is a 2-D (FSDP x TP) model of its own layers (train_2d.py),
+and each data-parallel replica of the pipeline reads its slice of the batch and runs the
+schedule on it (train_pp.py): TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters
+between a stage's nodes, PP's activations between stages. --amp bf16 is FSDP's policy.
 """
 import os
 import sys
@@ -37,13 +33,28 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
 
 
-@main_guard
-def main():
+def parse(argv=None):
     p = cli.parser(__doc__)
     add_3d_flags(p)  # --pp, --dp, --tp (outer to inner), --schedule, --microbatches
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p)
-    args = cli.parse(p)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh, my_stages, n_stages):
+    def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
+        apply_tp(stage_model, mesh["tp"], loss_parallel=False)
+        apply_ac(stage_model, args.ac, every=args.ac_every)
+        # Gathered weights kept through the step (else gathered again for every micro-batch); bf16 gathers.
+        apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False, param_dtype=args.amp_dtype)
+        apply_compile(stage_model, args.compile)
+    models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
+    return models, adamw([p for m in models for p in m.parameters()], args)  # one AdamW (full-model names)
+
+
+@main_guard
+def main():
+    args = parse()
     check_no_accum(args)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
@@ -56,28 +67,17 @@ def main():
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size, dp_rank=dp_rank, dp_size=args.dp,
                        seed=args.seed)
-
-        def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
-            apply_tp(stage_model, mesh["tp"], loss_parallel=False)
-            apply_ac(stage_model, args.ac, every=args.ac_every)
-            # Gathered weights kept through the step (else gathered again for every micro-batch); bf16 gathers.
-            apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False, param_dtype=args.amp_dtype)
-            apply_compile(stage_model, args.compile)
-
         my_stages = stage_indices(pp_rank, args.pp, args.schedule)
         n_stages = args.pp * len(my_stages)
-        models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]
-        # A dry run's rank is told its stages' shapes (train_pp.py): the residual stream crosses
-        # in fp32, and our FSDP root's output_dtype hands out fp32 logits.
+        models, optimizer = build(args, ctx, mesh, my_stages, n_stages)  # each stage 2-D (TP, then FSDP)
+        # (a dry run's rank is told its stages' shapes, as in train_pp.py: fp32 residual stream, fp32 logits)
         stages = pipeline_stages(models, my_stages, n_stages, ctx, args.model_config,
                                  args.global_batch_size // args.dp // args.microbatches, args.seq_len, torch.float32,
                                  group=mesh["pp"].get_group())
         schedule = make_schedule(args.schedule, stages, args.microbatches, loss_fn)
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         last, pp_group = last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group()  # the loss's stage
-        optimizer = adamw([p for m in models for p in m.parameters()], args)
         scheduler = lr_schedule(optimizer, args)
-        # This rank's stages share one optimizer; their layers keep the full model's names (so does the checkpoint).
         run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
                   title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
                   parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages},

@@ -8,13 +8,9 @@ Every rank trains on its own share of each global batch, as under FSDP. In each 
 the router picks top_k experts per token; an all-to-all sends every token to the ranks
 that own its experts (dispatch), each rank runs its n_experts / W experts, and a second
 all-to-all brings the results home (combine). The training loss adds the router's
-load-balancing loss. Step 2's savers come along (--amp bf16, the default, or off; --ac,
---compile, --fused-adamw, --grad-accum).
-
-A dry run (python step3_multi_gpu/train_ep.py --fake-world-size 8 --fake-rank R) plays one
-rank alone: the other ranks' routing never arrives, so it assumes an even one (every rank
-sends it as many token slots as it sends that rank; its experts get top_k x its tokens) and
-its all-to-all bytes and expert shapes are those of a rank in a balanced real run.
+load-balancing loss. A dry run (--fake-world-size 8 --fake-rank R) plays one rank alone,
+assuming an even routing (the other ranks' never arrives): its all-to-all bytes and expert
+shapes are those of a rank in a balanced real run.
 """
 import os
 import sys
@@ -38,15 +34,32 @@ from common.run import Run
 from common.training import adamw, clip_grad_norm, evaluate, global_loss, lr_schedule, micro_batch_size
 
 
-@main_guard
-def main(argv=None):
+def parse(argv=None):
     p = cli.parser(__doc__)
     p.set_defaults(model="small-moe")
     cli.add_moe_flags(p)
     cli.add_dry_run_flags(p)
     cli.add_saver_flags(p, accum_what="; gradients are reduced after the last only")
     add_ep_flag(p)  # --ep: the expert-parallel degree (default: every rank)
-    args = cli.parse(p, argv)
+    return cli.parse(p, argv)
+
+
+def build(args, ctx, mesh):
+    with torch.device("meta"):
+        model = Transformer(args.model_config)
+    set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
+    apply_ep(model, mesh, even_routing=ctx.fake)  # each rank its experts, which tokens reach by all-to-all
+    apply_ac(model, args.ac, every=args.ac_every)
+    # The dense part: FSDP over all the ranks, the experts left out (their copies: reduce_expert_grads, below).
+    apply_fsdp(model, ctx.mesh(), param_dtype=args.amp_dtype, ignored_params=expert_params(model))
+    apply_compile(model, args.compile)
+    model.to_empty(device=ctx.device).init_weights(seed=args.seed)  # every rank its experts and its shards
+    return model, adamw(model.parameters(), args)
+
+
+@main_guard
+def main(argv=None):
+    args = parse(argv)
     with distributed_for(args) as ctx:
         cli.check_memory_savers(args, ctx.device, dp_size=None, fp16=False)
         ep = args.ep or ctx.world_size
@@ -58,20 +71,8 @@ def main(argv=None):
         corpus = load_corpus(args.data, seed=args.seed, vocab_size=args.model_config.vocab_size)
         data = Batches(corpus.train, args.seq_len, args.global_batch_size // args.grad_accum,
                        dp_rank=ctx.rank, dp_size=ctx.world_size, seed=args.seed)
-        with torch.device("meta"):
-            model = Transformer(args.model_config)
-        set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-        # each rank keeps its experts, which tokens reach by all-to-all (a dry run: even routing)
-        apply_ep(model, mesh, even_routing=ctx.fake)
+        model, optimizer = build(args, ctx, mesh)  # experts split over mesh's "ep", the dense part FSDP
         say_even_routing(ctx)
-        apply_ac(model, args.ac, every=args.ac_every)
-        # The dense part is data parallel (FSDP over all the ranks), the experts left out. With --ep below the
-        # world size each expert has copies, which average their gradients (reduce_expert_grads, below).
-        apply_fsdp(model, ctx.mesh(), param_dtype=args.amp_dtype, ignored_params=expert_params(model))
-        apply_compile(model, args.compile)
-        model.to_empty(device=ctx.device)
-        model.init_weights(seed=args.seed)  # step 1's weights: every rank keeps its experts and its shards
-        optimizer = adamw(model.parameters(), args)
         scheduler = lr_schedule(optimizer, args)
         run = Run(args, ctx, model, optimizer, scheduler, data, fsdp=True, strategy="ep", predict=dict(ep=ep),
                   parallel={"dp": ctx.world_size, "ep": ep}, title=f"Expert parallel {ep} (dense part FSDP)",
@@ -80,8 +81,7 @@ def main(argv=None):
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
-                step_loss = torch.zeros((), device=ctx.device)
-                aux_loss = torch.zeros((), device=ctx.device)
+                step_loss, aux_loss = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device)
                 for micro in range(args.grad_accum):
                     x, y = next(batches)
                     x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
