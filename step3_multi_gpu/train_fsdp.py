@@ -48,7 +48,7 @@ def build(args, ctx, mesh):
     with torch.device("meta"):  # shapes, no memory: the full model never exists anywhere
         model = Transformer(args.model_config)
     set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
-    model.float8 = args.float8 and convert_float8(model, fsdp_float8_all_gather=True)  # before fully_shard
+    model.float8 = args.float8 and convert_float8(model, ctx.device, fsdp_float8_all_gather=True)  # before FSDP
     apply_ac(model, args.ac, every=args.ac_every)  # per block, before wrapping and compiling it
     set_loss_chunks(model, args.loss_chunks)
     # --amp bf16 is FSDP's mixed-precision policy: bf16 gathers (half the bytes autocast's fp32

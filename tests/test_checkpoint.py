@@ -605,8 +605,12 @@ def test_export_gives_one_plain_file(jobs, tmp_path):
         model.load_state_dict(saved["model"])  # strict: every weight, full shapes
         assert saved["step"] == 5 and saved["model_config"] == get_config("debug").as_dict()
         weights[run] = saved["model"]
+    # The two layouts sum each gradient in another order (a reduce-scatter, an all-reduce), and
+    # AdamW's normalised step turns a rounding in a near-zero gradient into far more than fp32's
+    # epsilon: up to 1.2e-6 apart after 5 steps on AVX2 kernels. 1e-5 is a thousandth of the
+    # weights' scale (~1e-2), which a shard exported in the wrong place misses by whole.
     for k, v in weights["ddp"].items():
-        torch.testing.assert_close(weights["fsdp4"][k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights["fsdp4"][k], v, rtol=1e-5, atol=1e-5)
     # export never overwrites, and a damaged checkpoint is one sentence
     before = (tmp_path / "ddp.pt").read_bytes()
     with pytest.raises(UserError, match="already exists"):

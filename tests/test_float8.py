@@ -32,9 +32,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_float8_loss_follows_bf16_over_the_first_steps(monkeypatch, tmp_path):
-    # 32 tokens a sequence, not TINY's 64: the CPU emulates float8's matmuls slowly, and half
-    # the tokens still show the rounding (the losses differ) and the learning
+@pytest.mark.parametrize("kernels", ["this CPU's", "emulated"])
+def test_float8_loss_follows_bf16_over_the_first_steps(kernels, monkeypatch, tmp_path):
+    """On the CPU's float8 matmuls (oneDNN's, where it has them) and in torchao's emulation
+    (what an AVX2-only CPU runs: convert_float8)."""
+    from common.parallelize import float8 as f8
+    emulated = kernels == "emulated" or not f8.cpu_float8_matmul()
+    if kernels == "emulated":
+        monkeypatch.setattr(f8, "cpu_float8_matmul", lambda: False)
+    # 32 tokens a sequence, not TINY's 64: float8 on a CPU is slow, and half the tokens still
+    # show the rounding (the losses differ) and the learning
     flags = ("--no-trace-memory", "--eval-batches", "0", "--seq-len", "32")
     bf16, _ = run_main(monkeypatch, "train_amp", tmp_path / "bf16", "--amp", "bf16", *flags, steps=STEPS)
     f8, _ = run_main(monkeypatch, "train_float8", tmp_path / "f8", *flags, steps=STEPS)
@@ -47,6 +54,7 @@ def test_float8_loss_follows_bf16_over_the_first_steps(monkeypatch, tmp_path):
     import json
     summary = json.loads((tmp_path / "f8" / "summary.json").read_text())
     assert len(summary["float8"]["converted"]) == 7 * 4 and list(summary["float8"]["skipped"]) == ["output"]
+    assert summary["float8"]["emulated"] == emulated
 
 
 def test_the_linear_layers_really_become_float8linear():
@@ -56,7 +64,7 @@ def test_the_linear_layers_really_become_float8linear():
     from common.parallelize.float8 import convert_float8
     model = build_model(get_config("debug", ffn_dim=200), "cpu")  # 200: not a multiple of 16
     names = {n for n, p in model.named_parameters()}
-    info = convert_float8(model)
+    info = convert_float8(model, "cpu")  # (emulated where this CPU has no float8 matmul)
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert {n for n, k in kinds.items() if k is Float8Linear} == set(info["converted"])
     assert all(n.endswith(("wq", "wk", "wv", "wo")) for n in info["converted"])  # w1, w2, w3 are 64 x 200
@@ -74,3 +82,35 @@ def test_float8_misuse_is_one_sentence(monkeypatch, tmp_path, capsys):
         run_main(monkeypatch, "train_float8", tmp_path, "--amp", "fp16")
     assert e.value.code == 2
     assert "--amp fp16 is not offered with float8" in capsys.readouterr().err
+
+
+def test_a_cpu_without_float8_matmuls_emulates_them(monkeypatch):
+    """A CPU without AVX-512 FP16 (an AVX2 laptop, say) has no float8 matmul in oneDNN:
+    ``convert_float8`` then turns on torchao's emulation for a CPU run (never for a CUDA one).
+    The emulation casts and scales as the kernels do and multiplies in fp32: its loss is the
+    real kernels' to fp32's rounding (the gradients' bf16 products round apart: the loss test
+    above holds an emulated run to bf16 as it holds the real one)."""
+    import copy
+
+    from common.model import build_model, get_config
+    from common.parallelize import float8 as f8
+    torch.manual_seed(0)
+    model = build_model(get_config("debug"), "cpu", seed=0)
+    twin = copy.deepcopy(model)
+    real = f8.convert_float8(model, "cpu")
+    assert real["emulated"] is not f8.cpu_float8_matmul()  # (an AVX2-only CPU emulates both)
+    monkeypatch.setattr(f8, "cpu_float8_matmul", lambda: False)
+    emulated = f8.convert_float8(twin, "cpu")
+    assert emulated["emulated"] and twin.layers["0"].attention.wq.config.emulate
+    assert not model.layers["0"].attention.wq.config.emulate or real["emulated"]
+    assert not f8.convert_float8(build_model(get_config("debug"), "cpu"), "cuda")["emulated"]
+    x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
+    losses = []
+    for m in (model, twin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        assert all(q.grad is not None and torch.isfinite(q.grad).all() for q in m.parameters())
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

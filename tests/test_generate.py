@@ -158,8 +158,11 @@ def test_export_to_transformers_and_back(run_folder, taught, tmp_path):
     for text in ("caf\u00e9 \u65e5\u672c \U0001f642\t\x00\n  x", TEXT):  # multi-byte characters, control bytes
         assert tok(text).input_ids == encode(text) and tok.decode(encode(text)) == text
     x = torch.tensor([encode(TEXT[:SEQ])])
-    with torch.no_grad():
-        assert (hf(x).logits - taught(x)).abs().max().item() < 1e-5
+    with torch.no_grad():  # two fp32 implementations (transformers' Llama and ours order their ops
+        # apart): fp32's rounding, relative to the logits' size (1.2e-5 at |logits| ~5 on AVX2
+        # kernels); a weight mapped wrong, another RoPE layout or norm eps moves them by 1e-2 or more
+        ours = taught(x)
+        assert (hf(x).logits - ours).abs().max().item() < 1e-5 * max(1.0, ours.abs().max().item())
     ours, _ = generate(taught, ids, 30, SEQ)
     theirs = hf.generate(ids, max_new_tokens=30, do_sample=False)
     assert theirs.tolist() == ours.tolist()

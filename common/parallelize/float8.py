@@ -12,6 +12,7 @@ torchao is optional for the rest of the tutorial: only what imports this module 
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -34,9 +35,27 @@ def _torchao_float8():
     return float8
 
 
+@functools.cache
+def cpu_float8_matmul() -> bool:
+    """Whether this CPU's matmul library multiplies float8, asked by trying. ``torch._scaled_mm``
+    on a CPU is oneDNN's, whose float8 kernels need AVX-512 FP16 (Intel Xeon since Sapphire
+    Rapids): with oneDNN's instructions capped (ONEDNN_MAX_CPU_ISA) on such a Xeon,
+    AVX512_CORE_FP16 and AMX run them, AVX512_CORE_BF16 and every level below, AVX2 among
+    them (most laptops), refuse: "could not create a primitive descriptor for the matmul
+    primitive"."""
+    one = torch.ones(())
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def float8_unsupported(device: torch.device) -> str | None:
-    """Why float8 cannot train on this device (None: it can). CPU runs it emulated:
-    correct but slow, a lesson in what float8 does and not a way to speed anything up."""
+    """Why float8 cannot train on this device (None: it can). A CPU runs it slowly, a lesson
+    in what float8 does and not a way to speed anything up: with oneDNN's float8 matmuls
+    where it has them, emulated where it has not (``convert_float8``)."""
     # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
@@ -62,17 +81,22 @@ def float8_layers(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
     return convert, skip
 
 
-def convert_float8(model: torch.nn.Module, *, fsdp_float8_all_gather: bool = False) -> dict:
+def convert_float8(model: torch.nn.Module, device=None, *, fsdp_float8_all_gather: bool = False) -> dict:
     """Swap the model's convertible Linear layers for Float8Linear, in place (call it before
     fully_shard, so that FSDP sees the float8 weights). ``fsdp_float8_all_gather``: FSDP2
     all-gathers the weights already cast to float8 (half of bf16's bytes); NCCL only.
-    Returns what was converted and what was skipped, for summary.json."""
+    ``device``: the run's. On a CPU without float8 matmuls (``cpu_float8_matmul``) torchao
+    emulates them: the same casts to float8 and scales, the products in fp32 (its
+    ``emulate``; tests/test_float8.py holds it to the real kernels).
+    Returns what was converted and what was skipped, and whether emulated, for summary.json."""
     float8 = _torchao_float8()
     convert, skip = float8_layers(model)
     chosen = set(convert)
-    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    emulated = device is not None and torch.device(device).type == "cpu" and not cpu_float8_matmul()
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulated)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
-    return {"converted": convert, "skipped": skip, "fsdp_float8_all_gather": fsdp_float8_all_gather}
+    return {"converted": convert, "skipped": skip, "fsdp_float8_all_gather": fsdp_float8_all_gather,
+            "emulated": emulated}
 
 
 def is_float8(module: torch.nn.Module) -> bool:
