@@ -929,6 +929,7 @@ def test_random_kills_end_where_an_uninterrupted_run_ends(tmp_path):
     r = _run([sys.executable, "-m", "tools.chaos", "--kills", "3", "--seed", "7", "--steps", "24", "--ckpt-every", "2",
               "--out", str(tmp_path), "--json", str(tmp_path / "chaos.json")], timeout=240)
     print(r.stdout, f"chaos: {time.perf_counter() - t0:.1f} s")
+    assert (tmp_path / "chaos.json").exists(), f"tools.chaos exited {r.returncode} with no report: {r.stderr[-3000:]}"
     res = json.loads((tmp_path / "chaos.json").read_text())
     assert r.returncode == 0 and res["match"], r.stdout + r.stderr[-3000:]
     assert len(res["kills"]) == 3 and res["restarts"] == 3, r.stdout
