@@ -84,7 +84,7 @@ def test_the_estimator_builds_each_layout_with_its_scripts_build(name, tmp_path,
     real = script_built(p, rank, tmp_path, monkeypatch)
     assert traced == real
     # what the comparison rests on: the layouts really are sharded, wrapped and checkpointed
-    kinds = {n: m for n, m in real["modules"].items()}
+    kinds = real["modules"]
     if p.strategy.startswith(("fsdp", "hsdp")) or p.strategy in ("2d", "cp_fsdp"):
         assert kinds[""].startswith("FSDP"), kinds[""]
     if p.ac != "none":
