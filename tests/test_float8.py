@@ -11,8 +11,6 @@ measured on the debug model (32 tokens a sequence), at most 0.09% in 6 steps. We
 or torchao version, while an unscaled cast (operands flushed to zero or saturated at
 448) or a layer trained in the wrong dtype moves the loss by far more.
 """
-import sys
-
 import pytest
 import torch
 

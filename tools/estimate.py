@@ -776,7 +776,7 @@ def torchtitan_comparison() -> str:
     """Markdown: rank 0 of torchtitan's 8B layout with our savers added one by one, the formula
     beside the fake-tensor trace (what is alive at the trace's peak, by category), against the
     memory torchtitan logs. Three traces of the whole model: about 90 s on two cores."""
-    cols, rows = [], {}
+    cols = []
     for name, flags in TORCHTITAN_SAVERS.items():
         args = build_parser().parse_args(TORCHTITAN_8B + flags)
         check(args)
