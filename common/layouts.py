@@ -6,7 +6,7 @@ Each step-3 training script (DeepSpeed's comparison aside) defines ``parse(argv)
 flags) and ``build(args, ctx, ...)`` (the model on the meta device, the savers, the
 parallelism, compile, materialisation and AdamW's parameter groups); its ``main`` calls
 both, and so does the estimator's trace, under fake tensors, for the layouts it traces
-(``BUILD_OF``). tests/test_layouts.py holds the traced model of each of them equal to the
+(``TRACED``). tests/test_layouts.py holds the traced model of each of them equal to the
 one the script builds.
 """
 from __future__ import annotations
@@ -33,13 +33,11 @@ SCRIPTS = {
     "ep": (S3 + "train_ep.py", lambda p: ["--ep", str(p.ep or p.world)]),
 }
 
-# The script whose build a fake-tensor trace of the layout runs (tools/estimate.py). One
-# device and DDP are train_ddp.py's build with DDP's wrapper left out (its C++ Reducer cannot
-# be faked; one replica holds what one device holds at batch / W): step 1's and step 2's
-# scripts build the same model inline, as their lessons.
-BUILD_OF = {"single": S3 + "train_ddp.py", "ddp": S3 + "train_ddp.py", "fsdp_zero3": S3 + "train_fsdp.py",
-            "fsdp_zero2": S3 + "train_fsdp.py", "hsdp": S3 + "train_fsdp.py", "tp": S3 + "train_tp.py",
-            "2d": S3 + "train_2d.py", "pp": S3 + "train_pp.py", "cp": S3 + "train_cp.py", "cp_fsdp": S3 + "train_cp.py"}
+# The layouts whose build a fake-tensor trace runs (tools/estimate.py): their scripts' (one
+# device: train_ddp.py's, as for DDP, with DDP's wrapper left out: its C++ Reducer cannot be
+# faked, and one replica holds what one device holds at batch / W; step 1's and step 2's
+# scripts build the same model inline, as their lessons).
+TRACED = ("single", "ddp", "fsdp_zero3", "fsdp_zero2", "hsdp", "tp", "2d", "pp", "cp", "cp_fsdp")
 
 
 def layout(p) -> str:
@@ -73,6 +71,7 @@ def layout_flags(p) -> list[str]:
         return flags
     flags = SCRIPTS[layout(p)][1](p)
     flags += ["--sequence-parallel"] if p.sequence_parallel else []
+    flags += ["--no-loss-parallel"] if p.strategy == "tp" and not p.loss_parallel else []
     flags += ["--loss-chunks", str(p.loss_chunks)] if p.loss_chunks > 1 else []
     flags += ["--split-root-unit"] if p.split_root else []
     return flags + _batch_and_savers(p)
@@ -80,9 +79,10 @@ def layout_flags(p) -> list[str]:
 
 def build_module(p):
     """The script module (imported, not run) whose ``parse`` and ``build`` trace plan ``p``."""
-    if p.strategy not in BUILD_OF:
+    if p.strategy not in TRACED:
         raise ValueError(f"no traced build for {p.strategy}")
-    return importlib.import_module(BUILD_OF[p.strategy].removesuffix(".py").replace("/", "."))
+    script = SCRIPTS["ddp" if p.strategy == "single" else p.strategy][0]
+    return importlib.import_module(script.removesuffix(".py").replace("/", "."))
 
 
 def build_args(p, extra: list[str] = ()):

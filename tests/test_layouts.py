@@ -107,5 +107,7 @@ def test_the_table_names_each_strategys_script():
                                  "--device", "cpu"])
             assert args.global_batch_size == 4 and args.seq_len == 64
     assert layouts.script_of(Plan(DEBUG, "2d", world=4, tp=2, pp=2)) == "step3_multi_gpu/train_3d.py"
+    plain = Plan(DEBUG, "tp", world=2, batch=4, seq_len=64, loss_parallel=False)  # the plan's loss reaches the script
+    assert not layouts.build_args(plain, [*layouts.model_flags(DEBUG), "--data", "synthetic"]).loss_parallel
     with pytest.raises(ValueError, match="no traced build for zero1"):
         layouts.build_module(Plan(DEBUG, "zero1", world=2))
