@@ -263,7 +263,8 @@ def add_amp_flags(p: argparse.ArgumentParser, default: str = "bf16", fp16: bool 
                    help=f"compute dtype: bf16, {'fp16 (CUDA, with a GradScaler), ' if fp16 else ''}or off (fp32) "
                         f"(default: {default})")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model, block by block (the traced steps run eagerly)")
+                   help="torch.compile the model (step 2's scripts: the whole model; step 3's: block by block, "
+                        "with the parallelism's hooks between the blocks); the traced steps run eagerly")
     g.add_argument("--fused-adamw", action="store_true", help="AdamW's fused kernel: one kernel for all parameters")
 
 

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -526,8 +525,8 @@ def test_fp16_with_checkpoints_is_refused(monkeypatch, tmp_path, capsys):
 
 
 def test_throughput_benchmark_prints_both_and_the_overhead(capsys):
-    import math
     """tools/bench_throughput.py at the debug scale: both loops run, the ratio is a number."""
+    import math
     from tools.bench_throughput import main
     got = main(["--scale", "debug", "--steps", "2", "--device", "cpu", "--no-compile"])
     out = capsys.readouterr().out
@@ -536,3 +535,38 @@ def test_throughput_benchmark_prints_both_and_the_overhead(capsys):
     for line in ("bare loop", "our script", "overhead", "MFU", "host syncs"):
         assert line in out, line
     assert got["bare_syncs_per_step"] == got["script_syncs_per_step"] == 0  # tests/test_syncs.py
+
+
+def test_speed_variants_compile_what_they_name_and_report_each_row(capsys, monkeypatch):
+    """tools/bench_variants.py (the GPU pass's phase 1): each variant compiles what it names
+    (per block, the whole model, with its mode), a row per variant, a failure reported in
+    its row and in the exit status, misuse refused in one sentence."""
+    import torch.nn as nn
+    from tools import bench_variants as bv
+    compiled = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw)))
+    cfg = get_config("debug")
+    for name, want in [("blocks", [("TransformerBlock", {})] * cfg.n_layers), ("eager", []),
+                       ("model", [("Transformer", {})]), ("fused", [("TransformerBlock", {})] * cfg.n_layers),
+                       ("cudagraphs", [("Transformer", {"mode": "reduce-overhead"})]),
+                       ("autotune", [("TransformerBlock", {"mode": "max-autotune-no-cudagraphs"})] * cfg.n_layers)]:
+        compiled.clear()
+        bv.prepare(build_model(cfg, "cpu", seed=0), bv.BY_NAME[name])
+        assert compiled == want, name
+    assert bv.BY_NAME["fused"].fused and not bv.BY_NAME["blocks"].fused
+    monkeypatch.undo()
+    # the child's result reaches the parent (a fresh process, eager: no compile on a CPU here)
+    got = bv.main(["--device", "cpu", "--scale", "debug", "--steps", "1", "--only", "eager"])
+    assert got["eager"]["tokens_per_s"] > 0 and got["eager"]["ready_s"] > 0
+    assert "eager" in capsys.readouterr().out
+    # a variant that runs past --timeout is stopped, reported in its row, and fails the run
+    # (a variant past --timeout: stopped, said in its row, and the run fails)
+    for argv, message, row in [(["--only", "eager", "--timeout", "0.5"], "1 of 1 variants did not finish: eager",
+                                "stopped after 0 s (--timeout)"),
+                               (["--only", "eager,fast"], "--only: no variant named fast", None),
+                               (["--only", "cudnn"], "--only: cudnn run on CUDA only.", None)]:
+        with pytest.raises(SystemExit) as e:
+            bv.main(["--device", "cpu", "--scale", "debug", *argv])
+        out = capsys.readouterr()
+        assert e.value.code == 2 and message in out.err, out.err
+        assert row is None or row in out.out, out.out

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import sys
 import tempfile
 import time
@@ -51,12 +50,18 @@ SCALES = {  # (model, batch, seq_len): the two GPU set-ups the throughput target
 }
 
 
-def bare_loop(cfg, batch: int, seq_len: int, device, amp: bool, compile: bool, steps: int) -> float:
-    """Tokens/s of the least a step can be (after 3 warm-up steps, compile's included)."""
+def bare_loop(cfg, batch: int, seq_len: int, device, amp: bool, compile: bool, steps: int, *,
+              prepare=None, fused: bool = False, ready=None) -> float:
+    """Tokens/s of the least a step can be (after 3 warm-up steps, compile's included).
+    ``compile``: the whole model, as step2_memory/train_amp.py's ``--compile`` does;
+    ``prepare(model)`` instead: any other way (tools/bench_variants.py); ``fused``: fused
+    AdamW; ``ready()`` is called as the timed steps begin."""
     model = build_model(cfg, device, seed=0)
-    if compile:
+    if prepare is not None:
+        prepare(model)
+    elif compile:
         model.compile()
-    optimizer = adamw(model.parameters(), argparse.Namespace(lr=1e-4))
+    optimizer = adamw(model.parameters(), argparse.Namespace(lr=1e-4, fused_adamw=fused))
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
     y = torch.roll(x, -1, dims=1)
 
@@ -71,6 +76,8 @@ def bare_loop(cfg, batch: int, seq_len: int, device, amp: bool, compile: bool, s
     for _ in range(3):
         step()
     _sync(device)
+    if ready:
+        ready()
     t0 = time.perf_counter()
     for i in range(steps):
         syncs.step_begins(i)  # for a SyncCounter, if one is open

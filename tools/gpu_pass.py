@@ -11,9 +11,11 @@ side by side on the one GPU they fit. So the pass runs in two phases, each a set
 *streams* (a stream: commands run one after another, each its own fresh process, each
 from its stream's own copy of the tree, its output kept):
 
-1. the timings, alone on the GPU: the throughput benchmarks (125m and 1b) and the GPT-2
-   yardstick (eager and compiled), one after another, within a share of the budget
-   (TIMINGS_SHARE); nothing else runs beside a number that is a time;
+1. the timings, alone on the GPU: the throughput benchmarks (125m and 1b), the GPT-2
+   yardstick (eager and compiled) and the speed variants at 125m (tools/bench_variants.py:
+   compile per block or whole, fused AdamW, each attention kernel, CUDA graphs,
+   max-autotune), one after another, within a share of the budget (TIMINGS_SHARE);
+   nothing else runs beside a number that is a time;
 2. the memory streams, side by side: gpu_check's runs in three streams (each in its own
    copy of the tree: gpu_check writes runs/ and figs/ under its tree; a gpu_check launch
    runs its runs in one worker process of its own, see CHECK_STREAMS), the saved-tensor
@@ -153,6 +155,15 @@ def streams(rehearse: bool = False, big_memory: bool = False, cores: int | None 
         Stream("model", 1, "our eager 125m step at most 1.15x the GPT-2 yardstick's eager step; compiled too",
                [Command(["-m", "tools.bench_model"])] if gpu else
                [Command(["-m", "tools.bench_model", "--model", "debug", "--batch", "2", "--seq-len", "32"])]),
+        # last in phase 1: what the phase's end cuts short, it cuts here (each row is printed as
+        # it is measured); the order is what a default would most likely change for
+        Stream("variants", 1, "the fastest of whole-model vs per-block compile, fused AdamW, each attention kernel, "
+               "CUDA graphs and max-autotune at 125m, against step 3's per-block --compile: the default where it wins",
+               [Command(["-m", "tools.bench_variants", "--device", "cuda", "--timeout", "120", "--only",
+                         "blocks,model,fused,cudnn,cudagraphs,efficient,flash,autotune,eager"])] if gpu else
+               # compiling on a CPU takes minutes: the rehearsal runs the one variant that compiles nothing
+               [Command(["-m", "tools.bench_variants", "--scale", "debug", "--steps", "1", "--only", "eager",
+                         *cpu])]),
     ]
     checks = check_groups(rehearse)
     what = {"check_a": "steps 1 and 2 at 125m, eager and compiled",
