@@ -321,7 +321,7 @@ def chapter4_tables(suffix: str = "") -> dict[str, str]:
 
 # The estimator's answers the README quotes: README marker -> (the commands' arguments, in a
 # code block?). Formulas, and three traces under FakeTensorMode: about 15 s in all on 2 cores;
-# the H100 comparison (fit-h100-1b) traces four 1b steps more, about 15 s.
+# the GPU comparison (fit-gpu-1b) traces four 1b steps more, about 15 s.
 ESTIMATES = {
     "est-8b": ([["--model", "8b", "--world-size", "4", "--strategy", "all"]], False),
     "est-8b-ac": ([["--model", "8b", "--world-size", "4", "--strategy", "all", "--ac", "full"]], False),
@@ -363,8 +363,8 @@ def estimates(suffix: str = "") -> dict[str, str]:
             outs.append(out.getvalue().strip("\n"))
         text = "\n\n".join(outs)
         blocks[marker] = f"```\n{text}\n```" if fenced else text
-    from tools.estimate import h100_comparison, torchtitan_comparison
-    blocks["fit-h100-1b"] = h100_comparison()  # the formulas against the GPUs' 1b peaks
+    from tools.estimate import gpu_1b_comparison, torchtitan_comparison
+    blocks["fit-gpu-1b"] = gpu_1b_comparison()  # the formulas against the GPU's 1b peaks
     blocks["fit-torchtitan-8b"] = torchtitan_comparison()  # torchtitan's 8B layout, saver by saver (90 s)
     return blocks
 

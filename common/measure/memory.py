@@ -78,6 +78,12 @@ def _eager():
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
+def _address(st) -> int | None:
+    """Where a storage lives, for the CPU allocator's count; None for a fake tensor's, whose
+    storage is a meta one with no address (the estimator's traces: PyTorch warns on asking)."""
+    return None if st.device.type == "meta" else st.data_ptr()
+
+
 class _Record:
     __slots__ = ("nbytes", "alloc", "free", "category", "activation", "ref", "address", "pre", "ns", "host")
 
@@ -360,7 +366,7 @@ class MemoryTracer(TraceResult):
         if rec is None:
             if st.nbytes() == 0 and key in self._watched:  # freed in place: holds nothing now
                 return None
-            rec = _Record(st.nbytes(), 0 if preexisting else self._t, st.data_ptr(), preexisting)
+            rec = _Record(st.nbytes(), 0 if preexisting else self._t, _address(st), preexisting)
             self._t += 0 if preexisting else 1
             rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
             if key in self._watched:
@@ -381,7 +387,7 @@ class MemoryTracer(TraceResult):
                 self._on_free(key)  # the old size is gone, a new one (if any) starts now
                 rec = None
             if rec is None and st.nbytes() > 0:
-                rec = _Record(st.nbytes(), self._t, st.data_ptr())
+                rec = _Record(st.nbytes(), self._t, _address(st))
                 self._t += 1
                 rec.category = cat
                 rec.ref = weakref.ref(st, lambda _, k=key: self._on_dead(k))
