@@ -120,12 +120,14 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     load = (f" (load average {info['load_before']:.1f} before timing, {info['load_after']:.1f} after)"
             if info["load_before"] is not None else "")
     commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2 if r.name in _CH2_LABELS]
+    counted = (" and its attention" if suffix else  # on a CPU: _scaled_dot_product_flash_attention_for_cpu
+               " (not attention: FlopCounterMode has no formula for the CPU's attention kernel)")
     text = (f"Device: {device}; {what}.\n\n"
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
             f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
             f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
-            f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies and attention of "
-            f"one step, recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
+            f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies of one step{counted}, "
+            f"recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
             + markdown_table(list(runs.values()), commands, step_times=times, flops=flops))
     (figs / f"02_table{suffix}.md").write_text(text)
     for f in ("02_memory_trace_amp", "02_memory_trace_amp_ac", "02_memory_trace_accum", "02_peak_memory", "02_table"):
@@ -215,6 +217,13 @@ def doc_mask_block(suffix: str = "") -> dict[str, str]:
     return {"doc-mask": "\n".join(lines)}
 
 
+def bench_model_block(suffix: str = "") -> dict[str, str]:
+    """Section 2.4's block: our block's kernels and bytes against GPT-2's (tools/bench_model.py;
+    the counts are the same on any CPU, and on a GPU it times both models too)."""
+    return tool_block(f"bench-model{suffix}", "tools.bench_model", [])
+
+
 # (prefix of what it writes in figs/, callable(suffix) -> {README marker: markdown})
 POST_STEPS = [("02", chapter2), ("02_float8", float8_table), ("02_vocab", vocab_table),
-              ("02_bench_data", bench_data_block), ("02_doc_mask", doc_mask_block)]
+              ("02_bench_data", bench_data_block), ("02_doc_mask", doc_mask_block),
+              ("02_bench_model", bench_model_block)]

@@ -158,6 +158,14 @@ def test_the_readme_lists_every_test_files_time():
         "stale: run the whole suite, then python -m tools.test_times"
 
 
+def test_the_readme_says_what_every_test_file_proves():
+    """The table under "What the suite proves" has one row for each test file, no more."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("What the suite proves", 1)[1].split("\n\n|", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| (tests/test_\w+\.py) \| \D", "|" + table, re.M)
+    assert sorted(rows) == sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
+
+
 def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tmp_path, capsys, monkeypatch):
     """tools/test_times.py: each file's seconds and share of a full run, slowest first; a run
     that failed, or none, is refused in one sentence."""

@@ -14,10 +14,9 @@ from common import ROOT
 
 DOCS = ["README.md", "step1_single_gpu/README.md", "step2_memory/README.md", "step3_multi_gpu/README.md",
         "step3_multi_gpu/comm_lab.md", "step3_multi_gpu/model_parallel.md",
-        "step3_multi_gpu/context_parallel.md", "step3_multi_gpu/will_it_fit.md",
-        "step3_multi_gpu/deepspeed.md",
+        "step3_multi_gpu/context_parallel.md", "step3_multi_gpu/expert_parallel.md",
+        "step3_multi_gpu/will_it_fit.md", "step3_multi_gpu/deepspeed.md",
         "step4_multi_node/README.md"]
-DOCS.insert(DOCS.index("step3_multi_gpu/will_it_fit.md"), "step3_multi_gpu/expert_parallel.md")
 
 
 def doc_paths() -> list[Path]:
@@ -66,7 +65,7 @@ def _grab(name: str, pattern: str) -> str:
 
 
 def _num(s: str) -> float:
-    """The number in a cell: '**223.1**', '1,580', '18.21 GiB (H100)', '-1.3%'."""
+    """The number in a cell: '**223.1**', '1,580', '18.15 GiB (H200 tracer)', '-1.3%'."""
     m = re.search(r"-?[\d,]*\.?\d+", s)
     if m is None:
         raise ValueError(f"no number in {s!r}")
@@ -297,10 +296,10 @@ VALUES = {
     "est-1b.peak": lambda: _gib(_est("est-1b", "peak (")),
     "est-1b.peak-ac": lambda: _gib(_est("est-1b", "peak (", answer=1)),
     "est-1b.autocast-copies": lambda: _gib(_est("est-1b", "autocast weight copies", answer=1)),
-    "fit-1b.full-ac-formula": lambda: _cell("fit-h100-1b", "bf16 + full AC", "formula (cuda)"),
-    "fit-1b.full-ac-gpu": lambda: _gib(_num(_cell("fit-h100-1b", "bf16 + full AC", "GPU allocator"))),
-    "fit-1b.bf16-off": lambda: _cell("fit-h100-1b", "bf16 autocast", "off"),
-    "fit-1b.fp32-off": lambda: _cell("fit-h100-1b", "fp32", "off"),
+    "fit-1b.full-ac-formula": lambda: _cell("fit-gpu-1b", "bf16 + full AC", "formula (cuda)"),
+    "fit-1b.full-ac-gpu": lambda: _gib(_num(_cell("fit-gpu-1b", "bf16 + full AC", "GPU"))),
+    "fit-1b.bf16-off": lambda: _cell("fit-gpu-1b", "bf16 autocast", "off"),
+    "fit-1b.fp32-off": lambda: _cell("fit-gpu-1b", "fp32", "off"),
     # chapter 3's strategies side by side
     "compare.fsdp-sent": lambda: _cell("table-03-compare", "FSDP", "sent per step per rank"),
     "compare.ddp-sent": lambda: _cell("table-03-compare", "DDP", "sent per step per rank"),
@@ -315,6 +314,12 @@ VALUES = {
     "trace-pp.ratio": lambda: f"{_est('est-trace-pp', 'peak (', 3):.3f}",
     "trace-debug.cpu-ratio": lambda: _grab("est-trace-debug", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
     "trace-8b.cpu-ratio": lambda: _grab("est-trace-8b", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
+    "bench-model.ours-ops": lambda: _grab("bench-model", r"as CUDA runs it\s+(\d+)"),
+    "bench-model.gpt2-ops": lambda: _grab("bench-model", r"\(yardstick\)\s+(\d+)"),
+    "bench-model.ours-mib": lambda: _grab("bench-model", r"as CUDA runs it\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",
+    "bench-model.gpt2-mib": lambda: _grab("bench-model", r"\(yardstick\)\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",
+    "bench-model.ours-casts": lambda: _grab("bench-model", r"as CUDA runs it.*?([\d.]+) MiB$") + " MiB",
+    "trace-pp.cpu-activations-gap": lambda: f"{100 * (_est('est-trace-pp', 'activations', 2) / float(_grab('est-trace-pp', r'the formula with them: activations ([0-9.]+)')) - 1):.0f}%",
     "trace-pp.cpu-ratio": lambda: _grab("est-trace-pp", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
     "table-03b.1f1b-activations": lambda: f"{max(_range(_cell('table-03b', 'PP 4, 1F1B', 'activations / rank (peak)'))):.2f} MiB",
     "table-03b.1f1b-peak": lambda: f"{max(_range(_cell('table-03b', 'PP 4, 1F1B', 'peak / rank'))):.2f} MiB",

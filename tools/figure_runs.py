@@ -63,4 +63,4 @@ def tool_block(marker: str, module: str, argv: list[str], timeout_s: float = 900
                        timeout=timeout_s)
     if p.returncode:
         raise UserError(f"python -m {module} failed: {p.stderr.strip()[-300:]}")
-    return {marker: f"```bash\npython -m {module} {' '.join(argv)}\n```\n\n```\n{p.stdout.strip()}\n```"}
+    return {marker: f"```bash\npython -m {' '.join([module, *argv])}\n```\n\n```\n{p.stdout.strip()}\n```"}

@@ -160,7 +160,7 @@ CASES: dict[str, Case] = {
     "unknown amp": Case("`train_amp.py --amp fp8`", [S2 + "train_amp.py", *T, "--amp", "fp8"],
                         "unknown --amp 'fp8'; choose one of", "--amp", "bf16, fp16 or off"),
     "unknown ac": Case("`train_amp_ac.py --ac sometimes`", [S2 + "train_amp_ac.py", *T, "--ac", "sometimes"],
-                       "unknown --ac mode 'sometimes'", "--ac", "none, full or selective"),
+                       "unknown --ac mode 'sometimes'", "--ac", "none, full, selective or selective-op"),
     "zero ac-every": Case("`train_amp_ac.py --ac-every 0`", [S2 + "train_amp_ac.py", *T, "--ac-every", "0"],
                           "--ac-every must be positive (got 0)", "--ac-every", "checkpoint every k-th block, k >= 1"),
     "uneven accum": Case("`train_accum.py --grad-accum 3` with a batch of 4",
