@@ -4,7 +4,7 @@
 matmul of forward and backward casts both operands to float8 with a per-tensor scale from
 their current maximum (dynamic scaling) and runs on the float8 tensor cores, twice bf16's
 rate on an H100. Weights, gradients and AdamW stay fp32, as under AMP.
-    python step2_memory/train_float8.py                 (H100 or newer; on a CPU: slow)
+    python step2_memory/train_float8.py                 (H100 or newer; on a CPU: emulated, the numbers only)
 The output layer is kept in bf16, and so is any layer whose sides are not multiples of 16.
 Small models gain little: the casts and amax reductions cost the same per element as the
 matmul saves, and only wide matmuls are long enough for the saving to win.
@@ -48,10 +48,11 @@ def main():
         set_doc_mask(model, args.doc_eot)  # --doc-mask: the end-of-text id documents end at (None: off)
         # In place, from outside the model: Float8Linear keeps the fp32 weight as its
         # parameter (same names, same state_dict) and casts it to float8 at each call.
-        float8 = convert_float8(model, ctx.device)  # (a CPU without float8 matmuls: emulated)
+        float8 = convert_float8(model, ctx.device)  # (on a CPU: emulated, common/parallelize/float8.py says why)
         ctx.print(f"float8: {len(float8['converted'])} Linear layers converted; kept in bf16: "
                   + ", ".join(f"{k} ({v})" for k, v in float8["skipped"].items())
-                  + ("; this CPU has no float8 matmul: torchao emulates it" if float8["emulated"] else ""))
+                  + ("; on a CPU torchao emulates the float8 matmuls (the same casts and scales, the products in fp32)"
+                     if float8["emulated"] else ""))
         optimizer = adamw(model.parameters(), args)  # --fused-adamw: one kernel for all parameters
         scheduler = lr_schedule(optimizer, args)
         if args.compile:

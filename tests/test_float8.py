@@ -1,5 +1,5 @@
 """Step 2d: float8 training with torchao. The forward and backward of Float8Linear run on
-the CPU (emulated: correct, slow), so what float8 does to the loss is tested here; its
+the CPU (emulated: correct, at bf16's speed), so what float8 does to the loss is tested here; its
 speed needs an H100 and is not.
 
 Tolerance. e4m3 keeps 3 mantissa bits: each forward operand of a float8 matmul is rounded
@@ -32,12 +32,12 @@ def one_thread():
 
 @pytest.mark.parametrize("kernels", ["this CPU's", "emulated"])
 def test_float8_loss_follows_bf16_over_the_first_steps(kernels, monkeypatch, tmp_path):
-    """On the CPU's float8 matmuls (oneDNN's, where it has them) and in torchao's emulation
-    (what an AVX2-only CPU runs: convert_float8)."""
+    """In torchao's emulation (what the script runs on any CPU: float8.emulates) and on the
+    CPU's float8 matmuls (oneDNN's, where it has them; emulated again where it has none)."""
     from common.parallelize import float8 as f8
     emulated = kernels == "emulated" or not f8.cpu_float8_matmul()
-    if kernels == "emulated":
-        monkeypatch.setattr(f8, "cpu_float8_matmul", lambda: False)
+    if not emulated:
+        monkeypatch.setattr(f8, "emulates", lambda device: False)
     # 32 tokens a sequence, not TINY's 64: float8 on a CPU is slow, and half the tokens still
     # show the rounding (the losses differ) and the learning
     flags = ("--no-trace-memory", "--eval-batches", "0", "--seq-len", "32")
@@ -62,7 +62,7 @@ def test_the_linear_layers_really_become_float8linear():
     from common.parallelize.float8 import convert_float8
     model = build_model(get_config("debug", ffn_dim=200), "cpu")  # 200: not a multiple of 16
     names = {n for n, p in model.named_parameters()}
-    info = convert_float8(model, "cpu")  # (emulated where this CPU has no float8 matmul)
+    info = convert_float8(model, "cpu")  # (emulated, as on every CPU)
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert {n for n, k in kinds.items() if k is Float8Linear} == set(info["converted"])
     assert all(n.endswith(("wq", "wk", "wv", "wo")) for n in info["converted"])  # w1, w2, w3 are 64 x 200
@@ -82,12 +82,12 @@ def test_float8_misuse_is_one_sentence(monkeypatch, tmp_path, capsys):
     assert "--amp fp16 is not offered with float8" in capsys.readouterr().err
 
 
-def test_a_cpu_without_float8_matmuls_emulates_them(monkeypatch):
-    """A CPU without AVX-512 FP16 (an AVX2 laptop, say) has no float8 matmul in oneDNN:
-    ``convert_float8`` then turns on torchao's emulation for a CPU run (never for a CUDA one).
+def test_a_cpu_run_emulates_float8_as_the_kernels_compute_it():
+    """On a CPU ``convert_float8`` turns on torchao's emulation (never on a GPU): oneDNN's CPU
+    float8 matmuls exist only with AVX-512 FP16 and run a step of the small model in minutes.
     The emulation casts and scales as the kernels do and multiplies in fp32: its loss is the
-    real kernels' to fp32's rounding (the gradients' bf16 products round apart: the loss test
-    above holds an emulated run to bf16 as it holds the real one)."""
+    real kernels' to fp32's rounding where this CPU has them (the gradients' bf16 products
+    round apart: the loss test above holds both runs to bf16)."""
     import copy
 
     from common.model import build_model, get_config
@@ -95,12 +95,12 @@ def test_a_cpu_without_float8_matmuls_emulates_them(monkeypatch):
     torch.manual_seed(0)
     model = build_model(get_config("debug"), "cpu", seed=0)
     twin = copy.deepcopy(model)
-    real = f8.convert_float8(model, "cpu")
-    assert real["emulated"] is not f8.cpu_float8_matmul()  # (an AVX2-only CPU emulates both)
-    monkeypatch.setattr(f8, "cpu_float8_matmul", lambda: False)
+    kernels = f8.cpu_float8_matmul()  # (an AVX2-only CPU has none: both emulate)
+    real = f8.convert_float8(model, "cpu", emulate=not kernels)
     emulated = f8.convert_float8(twin, "cpu")
     assert emulated["emulated"] and twin.layers["0"].attention.wq.config.emulate
-    assert not model.layers["0"].attention.wq.config.emulate or real["emulated"]
+    assert model.layers["0"].attention.wq.config.emulate is real["emulated"] is (not kernels)
+    assert f8.emulates("cpu") and not f8.emulates("cuda") and not f8.emulates(None)
     assert not f8.convert_float8(build_model(get_config("debug"), "cpu"), "cuda")["emulated"]
     x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
     losses = []

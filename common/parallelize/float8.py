@@ -37,7 +37,8 @@ def _torchao_float8():
 
 @functools.cache
 def cpu_float8_matmul() -> bool:
-    """Whether this CPU's matmul library multiplies float8, asked by trying. ``torch._scaled_mm``
+    """Whether this CPU's matmul library multiplies float8 at all, asked by trying (the
+    tests compare torchao's emulation with it where it does). ``torch._scaled_mm``
     on a CPU is oneDNN's, whose float8 kernels need AVX-512 FP16 (Intel Xeon since Sapphire
     Rapids): with oneDNN's instructions capped (ONEDNN_MAX_CPU_ISA) on such a Xeon,
     AVX512_CORE_FP16 and AMX run them, AVX512_CORE_BF16 and every level below, AVX2 among
@@ -53,9 +54,8 @@ def cpu_float8_matmul() -> bool:
 
 
 def float8_unsupported(device: torch.device) -> str | None:
-    """Why float8 cannot train on this device (None: it can). A CPU runs it slowly, a lesson
-    in what float8 does and not a way to speed anything up: with oneDNN's float8 matmuls
-    where it has them, emulated where it has not (``convert_float8``)."""
+    """Why float8 cannot train on this device (None: it can). A CPU runs it emulated
+    (``emulates``), a lesson in what float8 does to the numbers and not a speed-up."""
     # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
@@ -81,18 +81,29 @@ def float8_layers(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
     return convert, skip
 
 
-def convert_float8(model: torch.nn.Module, device=None, *, fsdp_float8_all_gather: bool = False) -> dict:
+def emulates(device) -> bool:
+    """Whether a run on ``device`` emulates float8's matmuls: on every CPU. Where a CPU has
+    oneDNN's float8 matmuls at all (``cpu_float8_matmul``) they are a reference path, not a
+    fast one: one 2048 x 256 x 768 product took 14 s on a Sapphire Rapids Xeon, against
+    0.085 s in bf16, so a step of the small model took 4.6 minutes. torchao's emulation
+    casts and scales every operand to float8 as the kernels do and multiplies in fp32: the
+    numbers float8 gives, at bf16's speed (tests/test_float8.py holds it to the kernels where
+    the CPU has them). A GPU runs the real kernels: float8 is fast only there."""
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def convert_float8(model: torch.nn.Module, device=None, *, fsdp_float8_all_gather: bool = False,
+                   emulate: bool | None = None) -> dict:
     """Swap the model's convertible Linear layers for Float8Linear, in place (call it before
     fully_shard, so that FSDP sees the float8 weights). ``fsdp_float8_all_gather``: FSDP2
     all-gathers the weights already cast to float8 (half of bf16's bytes); NCCL only.
-    ``device``: the run's. On a CPU without float8 matmuls (``cpu_float8_matmul``) torchao
-    emulates them: the same casts to float8 and scales, the products in fp32 (its
-    ``emulate``; tests/test_float8.py holds it to the real kernels).
-    Returns what was converted and what was skipped, and whether emulated, for summary.json."""
+    ``device``: the run's; ``emulate``: torchao's emulation of the matmuls (default: on a
+    CPU, ``emulates``). Returns what was converted and what was skipped, and whether
+    emulated, for summary.json."""
     float8 = _torchao_float8()
     convert, skip = float8_layers(model)
     chosen = set(convert)
-    emulated = device is not None and torch.device(device).type == "cpu" and not cpu_float8_matmul()
+    emulated = emulates(device) if emulate is None else emulate
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulated)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
     return {"converted": convert, "skipped": skip, "fsdp_float8_all_gather": fsdp_float8_all_gather,
