@@ -4,7 +4,7 @@
 matmul of forward and backward casts both operands to float8 with a per-tensor scale from
 their current maximum (dynamic scaling) and runs on the float8 tensor cores, twice bf16's
 rate on an H100. Weights, gradients and AdamW stay fp32, as under AMP.
-    python step2_memory/train_float8.py                 (H100 or newer; on a CPU: emulated, the numbers only)
+    python step2_memory/train_float8.py                 (compute capability 8.9+: L4, L40, H100; on a CPU: emulated)
 The output layer is kept in bf16, and so is any layer whose sides are not multiples of 16.
 Small models gain little: the casts and amax reductions cost the same per element as the
 matmul saves, and only wide matmuls are long enough for the saving to win.

@@ -1,5 +1,5 @@
 """Step 2d: float8 training with torchao. The forward and backward of Float8Linear run on
-the CPU (emulated: correct, at bf16's speed), so what float8 does to the loss is tested here; its
+the CPU (emulated: correct, a few times slower than bf16), so what float8 does to the loss is tested here; its
 speed needs an H100 and is not.
 
 Tolerance. e4m3 keeps 3 mantissa bits: each forward operand of a float8 matmul is rounded

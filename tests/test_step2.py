@@ -161,7 +161,7 @@ def test_every_step2_run_measures_what_theory_predicts(traced):
     full checkpointing, every k-th block, micro-batches) within 1.5%, and the step's peak within
     -5%/+10%. Mostly from below: the formula leaves out the backward's own temporaries (the
     gradients of activations), 2-8% of the peak at the debug model's 64 tokens, under 2% at
-    1b on an H100 (tests/test_estimate.py holds the formula to those runs). From above with
+    1b on an H200 (tests/test_estimate.py holds the formula to those runs). From above with
     --ac-every 2: the formula rebuilds a block while the last (kept) block's activations are
     still counted, though backward frees them before it reaches a checkpointed block."""
     for name, (_, _, out) in traced.items():

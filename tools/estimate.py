@@ -75,9 +75,10 @@ def gpu_1b_peaks() -> dict[tuple[str, str], tuple[float, str]]:
     """(dtype, ac) -> (GiB, what measured it), from the GPU report in figs/: the allocator's
     peak (``max_memory_allocated``) where the run held only its own memory; the memory
     tracer's peak where the allocator's also held an earlier run of the same process (the
-    H200's eager AC runs: the report's note says why), since on the runs that held only their
-    own the tracer matched the allocator within 1.3%. tests/test_estimate.py holds the
-    formulas to these."""
+    H200's eager AC runs: the report's note says why). The tracer reads a little under the
+    allocator (0.2% on the two 1b runs that held only their own memory, up to 3.8% on the
+    report's compiled checkpointed 125m runs). tests/test_estimate.py holds the formulas
+    to these."""
     import json
     report = json.loads((ROOT / GPU_1B_REPORT).read_text())
     gpu = report["device"].removeprefix("NVIDIA ").split()[0]
@@ -98,7 +99,7 @@ def traceable(p: Plan) -> str | None:
         return "--trace runs pipeline parallelism alone (--strategy pp), not combined with tp or data parallelism"
     if p.tp > 1 and p.pp == 1 and p.strategy not in ("tp", "2d"):
         return (f"--trace runs tensor parallelism with --strategy tp or 2d, not {p.strategy} with --tp {p.tp} "
-                f"(no script builds that layout)")
+                f"(its script has no tensor parallelism; FSDP over TP is --strategy 2d)")
     if p.pp > 1 and p.schedule not in ("gpipe", "1f1b"):
         return f"--trace replays the gpipe and 1f1b schedules, not {p.schedule}"
     return None

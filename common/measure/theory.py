@@ -10,8 +10,9 @@ when the last step freed them, autocast's cache still full), the loss's backward
 of backward (one block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
 default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). At
 1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
-1.5% of the allocator's peak: fp32 and bf16 autocast on an H200, selective and full AC (the
-optimizer step, 20N exactly) on an H100. ``python -m tools.saved_census --device cuda`` lists
+1.5% of what an H200 measured: the allocator's peak for fp32 and bf16 autocast, the memory
+tracer's for selective and full AC (the optimizer step, 20N exactly), whose allocator peak
+also held an earlier run (tools/estimate.py's gpu_1b_peaks). ``python -m tools.saved_census --device cuda`` lists
 what one block keeps on a GPU, node by node (on CPU it equals this count to the byte).
 
 The measured band (tests/test_estimate.py, CPU): the formula's activations equal the

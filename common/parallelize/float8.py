@@ -87,8 +87,8 @@ def emulates(device) -> bool:
     fast one: one 2048 x 256 x 768 product took 14 s on a Sapphire Rapids Xeon, against
     0.085 s in bf16, so a step of the small model took 4.6 minutes. torchao's emulation
     casts and scales every operand to float8 as the kernels do and multiplies in fp32: the
-    numbers float8 gives, at bf16's speed (tests/test_float8.py holds it to the kernels where
-    the CPU has them). A GPU runs the real kernels: float8 is fast only there."""
+    numbers float8 gives, in a few times bf16's step time (tests/test_float8.py holds it to
+    the kernels where the CPU has them). A GPU runs the real kernels: float8 is fast only there."""
     return device is not None and torch.device(device).type == "cpu"
 
 
