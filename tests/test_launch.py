@@ -109,7 +109,9 @@ def test_a_forked_torchrun_ends_when_its_ranks_call_sys_exit(tmp_path):
     sys.exit() (as tests/drivers/compile.py does) must not leave the agent waiting for ever,
     and a rank's non-zero exit is still torchrun's failure."""
     script = tmp_path / "ends.py"
-    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], flush=True)\n"
+    # one write of one short line: the two ranks share the pipe, and print('rank', r) writes
+    # its pieces apart, so two ranks' pieces could interleave ("rankrank 0 / 1")
+    script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']}\\n\"); sys.stdout.flush()\n"
                       "sys.exit(int(os.environ['RANK']) * int(sys.argv[1]) or None)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     ok = launch.run([*cmd, "0"], capture_output=True, text=True, timeout=120)
