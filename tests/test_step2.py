@@ -323,14 +323,15 @@ def test_each_saving_lowers_the_activations_further(traced):
 
 def test_fused_adamw_keeps_the_same_state_and_drops_foreachs_temporary():
     """The chapter's claim about --fused-adamw: same 8 bytes per parameter of state, and
-    no temporary the size of the parameters during the step (foreach, CUDA's default, makes one)."""
+    no temporary the size of the parameters during the step (foreach, CUDA's default, makes
+    one); the one-tensor-at-a-time loop (a CPU's default) makes one the size of a tensor."""
     from types import SimpleNamespace
 
     from common.training import adamw
 
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     seen = {}
-    for name, kwargs in {"foreach": {"foreach": True}, "fused": {"fused": True}}.items():
+    for name, kwargs in {"foreach": {"foreach": True}, "loop": {"foreach": False}, "fused": {"fused": True}}.items():
         model = build_model(get_config("debug"), "cpu")
         opt = adamw(model.parameters(), SimpleNamespace(lr=1e-3), **kwargs)
         tracer = MemoryTracer(model, opt, "cpu", start=1, steps=1)
@@ -348,6 +349,8 @@ def test_fused_adamw_keeps_the_same_state_and_drops_foreachs_temporary():
     # exp_avg and exp_avg_sq (8 bytes per parameter), plus a 4-byte step count per tensor
     assert seen["fused"][0]["optimizer state"] == seen["foreach"][0]["optimizer state"] == 2 * n_bytes + 4 * n_tensors
     assert seen["foreach"][1] >= n_bytes > 20 * seen["fused"][1], seen
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert seen["foreach"][1] > seen["loop"][1] >= largest > seen["fused"][1], (seen, largest)
 
 
 def test_bench_times_every_setup_of_the_table(monkeypatch, tmp_path):
