@@ -320,6 +320,8 @@ VALUES = {
     "bench-model.gpt2-mib": lambda: _grab("bench-model", r"\(yardstick\)\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",
     "bench-model.ours-casts": lambda: _grab("bench-model", r"as CUDA runs it.*?([\d.]+) MiB$") + " MiB",
     "dry-1b.allocator-over": lambda: f"{100 * (_num(_grab('est-dry-run-1b', r'allocator: peak ([0-9.]+) GiB')) / _est('est-dry-run-1b', 'peak (', 4) - 1):.0f}%",
+    "hooks.powersgd-less": lambda: f"1/{round(_num(_cell('table-04-hooks', 'powersgd', 'vs none')))}",
+    "hooks.powersgd-gap": lambda: f"{_num(_cell('table-04-hooks', 'powersgd', 'final loss')) - _num(_cell('table-04-hooks', 'none', 'final loss')):.3f}",
     "trace-pp.cpu-activations-gap": lambda: f"{100 * (_est('est-trace-pp', 'activations', 2) / float(_grab('est-trace-pp', r'the formula with them: activations ([0-9.]+)')) - 1):.0f}%",
     "trace-pp.cpu-ratio": lambda: _grab("est-trace-pp", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
     "table-03b.1f1b-activations": lambda: f"{max(_range(_cell('table-03b', 'PP 4, 1F1B', 'activations / rank (peak)'))):.2f} MiB",
