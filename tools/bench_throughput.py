@@ -117,6 +117,19 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def resolve(args, cpu_steps: int):
+    """(device, scale, timed steps) from a benchmark's --device, --scale and --steps: on a
+    GPU 125m and 20 steps by default, on a CPU the toy scale and ``cpu_steps``."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (ratios only).")
+    device = resolve_device(args.device, 0, 1)
+    gpu = device.type == "cuda"
+    steps = args.steps if args.steps is not None else (20 if gpu else cpu_steps)
+    if steps <= 0:
+        raise UserError(f"--steps must be positive (got {steps}).")
+    return device, args.scale or ("125m" if gpu else "toy"), steps
+
+
 @main_guard
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -129,14 +142,8 @@ def main(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile both (default: on a GPU, off on a CPU, where Inductor takes minutes)")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (ratios only).")
-    device = resolve_device(args.device, 0, 1)
+    device, scale, steps = resolve(args, cpu_steps=5)
     gpu = device.type == "cuda"
-    scale = args.scale or ("125m" if gpu else "toy")
-    steps = args.steps if args.steps is not None else (20 if gpu else 5)
-    if steps <= 0:
-        raise UserError(f"--steps must be positive (got {steps}).")
     compile = gpu if args.compile is None else args.compile
     model, batch, seq_len = SCALES[scale]
     cfg = get_config(model)

@@ -151,17 +151,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    import torch
-    from common.distributed import resolve_device
-    from tools.bench_throughput import SCALES
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (ratios only).")
-    device = resolve_device(args.device, 0, 1)
+    from tools.bench_throughput import SCALES, resolve
+    device, scale, steps = resolve(args, cpu_steps=3)
     gpu = device.type == "cuda"
-    scale = args.scale or ("125m" if gpu else "toy")
-    steps = args.steps if args.steps is not None else (20 if gpu else 3)
-    if steps <= 0:
-        raise UserError(f"--steps must be positive (got {steps}).")
     model, batch, seq_len = SCALES[scale]
     if args.variant is not None:  # the child: one variant, one line of JSON
         result = measure(BY_NAME[args.variant], model, batch, seq_len, device.type, args.amp == "bf16", steps)
