@@ -117,6 +117,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def bench_parser(doc: str, cpu_steps: int) -> argparse.ArgumentParser:
+    """The flags every benchmark of a training step shares: --scale, --device, --steps, --amp."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--scale", choices=sorted(SCALES), default=None,
+                   help="125m (12 x 1024) or 1b (4 x 2048) on a GPU; toy (small, 8 x 128) or debug on a CPU "
+                        "(default: by device)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"timed steps of each (default: 20 on a GPU, {cpu_steps} on a CPU)")
+    p.add_argument("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast (default) or fp32")
+    return p
+
+
 def resolve(args, cpu_steps: int):
     """(device, scale, timed steps) from a benchmark's --device, --scale and --steps: on a
     GPU 125m and 20 steps by default, on a CPU the toy scale and ``cpu_steps``."""
@@ -132,13 +146,7 @@ def resolve(args, cpu_steps: int):
 
 @main_guard
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    p.add_argument("--scale", choices=sorted(SCALES), default=None,
-                   help="125m (12 x 1024) or 1b (4 x 2048) on a GPU; toy (small, 8 x 128) on a CPU (default: by device)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--steps", type=int, default=None, help="timed steps of each (default: 20 on a GPU, 5 on a CPU)")
-    p.add_argument("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast (default) or fp32")
+    p = bench_parser(__doc__, cpu_steps=5)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile both (default: on a GPU, off on a CPU, where Inductor takes minutes)")
     args = p.parse_args(argv)

@@ -131,14 +131,8 @@ def run_variant(variant: Variant, argv: list[str], timeout: float) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tools.bench_throughput import SCALES
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    p.add_argument("--scale", choices=sorted(SCALES), default=None,
-                   help="125m (12 x 1024) or 1b (4 x 2048) on a GPU; toy or debug on a CPU (default: by device)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--steps", type=int, default=None, help="timed steps of each (default: 20 on a GPU, 3 on a CPU)")
-    p.add_argument("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast (default) or fp32")
+    from tools.bench_throughput import bench_parser
+    p = bench_parser(__doc__, cpu_steps=3)
     p.add_argument("--only", default=None,
                    help=f"comma-separated variants, in that order (default: all the device runs): "
                         f"{', '.join(v.name for v in VARIANTS)}")
