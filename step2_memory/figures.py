@@ -125,7 +125,7 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     text = (f"Device: {device}; {what}.\n\n"
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
             f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
-            f"by step in one process (`python step2_memory/bench_memory_savers.py`; medians in "
+            f"by step in one process (`python step2_memory/bench_memory_savers.py --steps {info['rounds']}`; medians in "
             f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies of one step{counted}, "
             f"recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
             + markdown_table(list(runs.values()), commands, step_times=times, flops=flops))
