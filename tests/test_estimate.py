@@ -2,6 +2,7 @@
 against the memory tracer (on real CPU tensors and under FakeTensorMode with a fake process
 group), and bad input."""
 import json
+import re
 import subprocess
 import sys
 
@@ -150,6 +151,14 @@ def test_dry_run_stands_beside_the_formula_and_the_trace(capsys):
     measured = dict(kv.rsplit(" ", 2)[0:1] + [" ".join(kv.rsplit(" ", 2)[1:])] for kv in
                     moved.split(": ", 1)[1].split(", "))
     assert formula == measured and "all_gather" in measured
+    # the CPU allocator's own count of the rank: at least the traced peak, and what the trace
+    # did not see named by the op that allocated it (the difference, to 1% of the peak)
+    line = next(line for line in out.splitlines() if "the dry run's allocator: peak" in line)
+    allocated = float(re.search(r"peak ([\d.]+) MiB allocated", line).group(1))
+    unseen = re.search(r"; ([\d.]+) (KiB|MiB) of it in blocks no op handed the trace \((\S+)", line)
+    unseen_mib = float(unseen.group(1)) / (1024 if unseen.group(2) == "KiB" else 1) if unseen else 0.0
+    dry_peak = float(next(v for k, v in rows.items() if k.startswith("peak ("))[3])  # the dry run's traced peak
+    assert dry_peak <= allocated * 1.01 and allocated - unseen_mib == pytest.approx(dry_peak, rel=0.01), line
 
 
 @pytest.mark.parametrize("flags,stand_in", [

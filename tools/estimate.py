@@ -638,6 +638,7 @@ def dry_run(p: Plan, args) -> dict:
     return {**{c: pred[f"measured {c}"] for c in CATEGORIES[:4]}, "other": mem["peak_by_category"]["other"],
             "peak": mem["peak_bytes"], "rank": mem["rank"], "script": cmd[1], "device_name": s["device_name"],
             "allocator_peak": mem.get("allocator_peak_bytes"), "allocator_reserved": mem.get("allocator_reserved_bytes"),
+            "allocator_unseen": mem.get("allocator_unseen_at_peak"),
             "comm": {k: v["bytes"] for k, v in s["comm"][0].items()}}
 
 
@@ -712,8 +713,12 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
               f"peak {gib(cpu['peak'])} {UNIT[1]} (trace/formula {traced['peak'] / cpu['peak']:.3f})")
     if dry and dry.get("allocator_peak") is not None:  # (a CPU's allocator reserves nothing beyond: no count)
         reserved = dry.get("allocator_reserved")
+        unseen = dry.get("allocator_unseen") or {}
+        ops = sorted((unseen.get("by_op") or {}).items(), key=lambda kv: -kv[1])[:2]
         print(f"  the dry run's allocator: peak {fmt_bytes(dry['allocator_peak'])} allocated"
-              + (f", {fmt_bytes(reserved)} reserved" if reserved is not None else ""))
+              + (f", {fmt_bytes(reserved)} reserved" if reserved is not None else "")
+              + (f"; {fmt_bytes(unseen['bytes'])} of it in blocks no op handed the trace ("
+                 + ", ".join(f"{op} {fmt_bytes(b)}" for op, b in ops) + ")" if unseen.get("bytes") else ""))
     if saved := saver_savings(p, est["rank"]):
         print("  the savers' share of the formula's peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in saved.items()))
     sent = sum(v for k, v in est["comm"].items() if k != "recv")
