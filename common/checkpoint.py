@@ -444,7 +444,8 @@ class Checkpointer(StopSignals):
                             f"checkpoint, so nothing was saved and the {step + 1} steps trained are lost; run it "
                             f"again from the start.")
         if self.saves_at(step) or (stop and not last):
-            path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
+            with self.saving():  # (the stuck-rank watch waits for a save, however long)
+                path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
             self.mark_progress()
             if stop and not last:
                 self.close()

@@ -28,6 +28,7 @@ The fault injection that sends these signals on cue (``--fail-how``) is here too
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -52,6 +53,8 @@ CTRL_C_PATIENCE_S = 20.0  # at most, after a Ctrl-C, for a step to end: torchrun
 
 class StopSignals:
     """The preemption half of Checkpointer (see the module notes)."""
+
+    _saving = False  # a checkpoint is being written: the watch below waits for it (``saving``)
 
     # ---- preemption ---------------------------------------------------------------------
     def listen(self):
@@ -86,6 +89,18 @@ class StopSignals:
         self._watch = threading.Thread(target=self._give_up_if_stuck, args=(signum,), name="stop-watch", daemon=True)
         self._watch.start()
 
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a save: the stuck-rank watch waits for it however long it takes. A run's
+        first checkpoint of a large model can take longer than any step seen, and a save a
+        signal asked for is the point of the signal; torchrun's shutdown timeout still ends
+        a save that hangs (a peer gone mid-save)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+
     def mark_progress(self):
         now = time.monotonic()
         self._longest = max(self._longest, now - self._progress)
@@ -96,10 +111,12 @@ class StopSignals:
         then the step in flight waits for a rank that is gone (NCCL waits until --pg-timeout)
         and would hold up the restart until torchrun's SIGKILL. A rank that reaches no step
         end (nor a checkpoint's start or end) in 3 times the longest step or save seen so far,
-        and at least 10 s, after the signal stops at once; after a Ctrl-C, in at most
+        and at least 10 s, after the signal stops at once, unless a save is in flight; after a Ctrl-C, in at most
         CTRL_C_PATIENCE_S, so that the rank says why it stopped before torchrun kills it."""
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         while not self._closed.wait(0.2):
+            if self._saving:  # (its end marks progress)
+                continue
             idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
             if signum == signal.SIGINT:
                 patience = min(patience, CTRL_C_PATIENCE_S)

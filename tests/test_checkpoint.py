@@ -983,3 +983,36 @@ def test_train_slurm_requeues_a_warned_job_only_if_the_run_is_not_complete(tmp_p
         requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
         assert requeued == ["42"], (complete, r.stderr)  # once: by the first (incomplete) job only
         assert ("not requeued" in r.stderr) == complete, r.stderr
+
+
+def test_the_stuck_rank_watch_waits_for_a_save_in_flight(monkeypatch):
+    """After a signal, a rank that makes no progress for max(10 s, 3 x the longest step or
+    save seen) stops at once (a peer is gone); a save in flight is progress, however long
+    (a run's first checkpoint of a large model, taken at preemption, can outlast every step
+    seen: it was cut off at 10 s). The watch itself, in this process: time is moved, not waited."""
+    import signal
+    import threading
+    import time
+
+    from common import checkpoint_signals
+
+    exits = []
+
+    class Watched(checkpoint_signals.StopSignals):
+        def __init__(self):
+            self.ctx = type("Ctx", (), {"rank": 0})()
+            self._closed, self._progress, self._longest = threading.Event(), time.monotonic() - 100, 0.0
+
+    def fake_exit(code):
+        exits.append(code)
+        watched._closed.set()
+
+    monkeypatch.setattr(checkpoint_signals.os, "_exit", fake_exit)
+    watched = Watched()
+    with watched.saving():  # 100 s idle, but a save is in flight: the watch waits
+        thread = threading.Thread(target=watched._give_up_if_stuck, args=(signal.SIGTERM,), daemon=True)
+        thread.start()
+        time.sleep(0.7)
+        assert exits == [] and thread.is_alive()
+    thread.join(5)  # the save ended with nothing marked since: stuck, so it stops
+    assert exits == [128 + signal.SIGTERM] and not thread.is_alive()
