@@ -118,14 +118,13 @@ def measure(variant: Variant, model_name: str, batch: int, seq_len: int, device,
 def run_variant(variant: Variant, argv: list[str], timeout: float) -> dict:
     """``variant`` in a fresh process of this tool; its result, or what stopped it."""
     cmd = [sys.executable, "-m", "tools.bench_variants", *argv, "--variant", variant.name]
-    t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"stopped after {timeout:.0f} s (--timeout)"}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]) | {"process_s": time.perf_counter() - t0}
+            return json.loads(line[len("RESULT "):])
     tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [f"exit {done.returncode}"]
     return {"error": f"exit {done.returncode}: {tail[0][:300]}"}
 
@@ -143,7 +142,6 @@ def parser() -> argparse.ArgumentParser:
 
 @main_guard
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     from tools.bench_throughput import SCALES, resolve
     device, scale, steps = resolve(args, cpu_steps=3)
