@@ -93,7 +93,7 @@ def test_the_estimator_builds_each_layout_with_its_scripts_build(name, tmp_path,
     assert bool(placed) == (p.strategy not in ("single", "ddp", "pp", "cp")), placed
 
 
-def test_the_table_names_each_strategys_script():
+def test_the_table_names_each_strategys_script(tmp_path):
     """Every strategy the planner and the estimator name has a script, and the commands they
     print pass that script's own parser."""
     from common.measure.plan import STRATEGIES
@@ -104,10 +104,11 @@ def test_the_table_names_each_strategys_script():
         assert hasattr(module, "main"), script
         if hasattr(module, "parse"):
             args = module.parse([*layouts.model_flags(DEBUG), *layouts.layout_flags(p), "--data", "synthetic",
-                                 "--device", "cpu"])
+                                 "--device", "cpu", "--out", str(tmp_path / s)])
             assert args.global_batch_size == 4 and args.seq_len == 64
     assert layouts.script_of(Plan(DEBUG, "2d", world=4, tp=2, pp=2)) == "step3_multi_gpu/train_3d.py"
     plain = Plan(DEBUG, "tp", world=2, batch=4, seq_len=64, loss_parallel=False)  # the plan's loss reaches the script
-    assert not layouts.build_args(plain, [*layouts.model_flags(DEBUG), "--data", "synthetic"]).loss_parallel
+    assert not layouts.build_args(plain, [*layouts.model_flags(DEBUG), "--data", "synthetic",
+                                                        "--out", str(tmp_path / "plain")]).loss_parallel
     with pytest.raises(ValueError, match="no traced build for zero1"):
         layouts.build_module(Plan(DEBUG, "zero1", world=2))
