@@ -273,6 +273,36 @@ def test_gpu_pass_memory_gate_and_stopping_a_command_with_all_it_started(tmp_pat
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # gone (or a zombie)
 
 
+def test_gpu_pass_unpacks_a_carried_wheel_only_where_its_package_does_not_import(tmp_path):
+    """The lent machine reaches no registry: a wheel carried in .carry/ (torchao's, for the
+    float8 row) is unpacked and put on the commands' PYTHONPATH, so that they import it;
+    a wheel whose packages import here already is left alone."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    from tools import gpu_pass
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    with zipfile.ZipFile(carry / "carried_pkg_xyz-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("carried_pkg_xyz/__init__.py", "WHERE = 'carried'\n")
+        z.writestr("carried_pkg_xyz-1.0.dist-info/METADATA", "Name: carried_pkg_xyz\n")
+    with zipfile.ZipFile(carry / "pytest-0.0-py3-none-any.whl", "w") as z:  # (importable here)
+        z.writestr("pytest/__init__.py", "raise ImportError('the carried copy was used')\n")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": "/elsewhere"}
+    done = gpu_pass.unpack_carried(tmp_path / "site", env, carry)
+    assert done == ["carried_pkg_xyz-1.0-py3-none-any.whl: unpacked (carried_pkg_xyz)",
+                    "pytest-0.0-py3-none-any.whl: already importable here, not unpacked"], done
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path / "site"), "/elsewhere"])
+    got = subprocess.run([sys.executable, "-c", "import carried_pkg_xyz; print(carried_pkg_xyz.WHERE)"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert got.stdout.strip() == "carried", got.stderr
+    assert not (tmp_path / "site" / "pytest").exists()
+    none = {"PYTHONPATH": "/elsewhere"}
+    assert gpu_pass.unpack_carried(tmp_path / "site2", none, tmp_path / "absent") == [] and none["PYTHONPATH"] == "/elsewhere"
+
+
 def test_gpu_pass_on_a_gpu_stops_what_overruns_waits_for_memory_and_joins_gpu_check(tmp_path, monkeypatch):
     """The branches a rehearsal does not take, run here with a pretend 24 GiB GPU and commands
     standing in for the tools: the memory gate (two 14 GiB commands, one after the other), a

@@ -557,6 +557,17 @@ def test_speed_variants_compile_what_they_name_and_report_each_row(capsys, monke
         bv.prepare(build_model(cfg, "cpu", seed=0), bv.BY_NAME[name])
         assert compiled == want, name
     assert bv.BY_NAME["fused"].fused and not bv.BY_NAME["blocks"].fused
+    # float8: step 2d's conversion first, then the whole model compiled (the casts in its graph)
+    compiled.clear()
+    model = build_model(cfg, "cpu", seed=0)
+    bv.prepare(model, bv.BY_NAME["float8"])
+    kinds = [type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)]
+    assert compiled == [("Transformer", {})] and kinds.count("Float8Linear") == len(kinds) - 1, kinds  # output: bf16
+    # float8 is reported against its own reference, the whole-model graph in bf16
+    monkeypatch.setattr(bv, "run_variant", lambda v, argv, timeout: {"tokens_per_s": {"model": 800.0}.get(v.name, 1000.0),
+                                                                     "ready_s": 1.0})
+    bv.main(["--device", "cpu", "--scale", "debug", "--only", "model,float8"])
+    assert "float8 against model: 1.250x" in capsys.readouterr().out
     monkeypatch.undo()
     # the child's result reaches the parent (a fresh process, eager: no compile on a CPU here)
     got = bv.main(["--device", "cpu", "--scale", "debug", "--steps", "1", "--only", "eager"])

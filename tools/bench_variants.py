@@ -20,7 +20,11 @@ what step 3's scripts do with ``--compile``:
 - ``cudagraphs``: the whole model compiled with ``mode="reduce-overhead"`` (the step
   replayed as CUDA graphs: no launch cost; CUDA only);
 - ``autotune``: blocks compiled with ``mode="max-autotune-no-cudagraphs"`` (Inductor tries
-  several matmul and fusion kernels and keeps the fastest; compiling takes longest).
+  several matmul and fusion kernels and keeps the fastest; compiling takes longest);
+- ``float8``: ``model`` with its Linear layers in float8 first (step 2d's conversion:
+  torchao's Float8Linear, tensorwise scales; the output layer stays bf16): compare it with
+  ``model``, and at 1b, where the matmuls are wide enough to gain (on a CPU, and on a GPU
+  before compute capability 8.9, torchao emulates: a time of no meaning).
 
 Each variant runs in a fresh process (dynamo's caches and the allocator's pool are per
 process: no variant inherits another's), one after another, and its row is printed as soon
@@ -57,6 +61,7 @@ class Variant:
     fused: bool = False              # AdamW(fused=True)
     attention: str | None = None     # an SDPBackend forced for the whole run
     cuda_only: bool = False
+    float8: bool = False             # the Linear layers converted to torchao's Float8Linear first
 
 
 VARIANTS = [
@@ -71,14 +76,19 @@ VARIANTS = [
     Variant("cudagraphs", "the whole model compiled with mode='reduce-overhead' (CUDA graphs)", compile="model",
             mode="reduce-overhead", cuda_only=True),
     Variant("autotune", "blocks compiled with mode='max-autotune-no-cudagraphs'", mode="max-autotune-no-cudagraphs"),
+    Variant("float8", "model + its Linear layers in float8 (torchao, tensorwise): against model", compile="model",
+            float8=True),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 DEFAULT = "blocks"
 
 
 def prepare(model, variant: Variant) -> None:
-    """Compile ``model`` in place as ``variant`` says (nothing for eager)."""
+    """Convert and compile ``model`` in place as ``variant`` says (nothing for eager)."""
     from common.parallelize.compile import apply_compile
+    if variant.float8:  # before compiling, as train_float8.py does: the casts fuse into the graph
+        from common.parallelize.float8 import convert_float8
+        convert_float8(model, next(model.parameters()).device)
     options = {"mode": variant.mode} if variant.mode else {}
     if variant.compile == "model":
         model.compile(**options)
@@ -179,6 +189,9 @@ def main(argv=None):
         base = ok.get(DEFAULT, {}).get("tokens_per_s")
         versus = f", {ok[best]['tokens_per_s'] / base:.3f}x {DEFAULT}" if base else ""
         print(f"  fastest: {best}{versus}", flush=True)
+        if "float8" in ok and "model" in ok:  # float8's own reference: the same whole-model graph in bf16
+            print(f"  float8 against model: {ok['float8']['tokens_per_s'] / ok['model']['tokens_per_s']:.3f}x",
+                  flush=True)
     failed = [n for n, r in results.items() if "error" in r]
     if failed:
         raise UserError(f"{len(failed)} of {len(results)} variants did not finish: {', '.join(failed)} (their rows say why).")

@@ -12,9 +12,10 @@ side by side on the one GPU they fit. So the pass runs in two phases, each a set
 from its stream's own copy of the tree, its output kept):
 
 1. the timings, alone on the GPU: the throughput benchmarks (125m and 1b), the GPT-2
-   yardstick (eager and compiled) and the speed variants at 125m (tools/bench_variants.py:
+   yardstick (eager and compiled), the speed variants at 125m (tools/bench_variants.py:
    compile per block or whole, fused AdamW, each attention kernel, CUDA graphs,
-   max-autotune), one after another, within a share of the budget (TIMINGS_SHARE);
+   max-autotune) and float8 against bf16 at 1b, one after another, within a share of the
+   budget (TIMINGS_SHARE);
    nothing else runs beside a number that is a time;
 2. the memory streams, side by side: gpu_check's runs in three streams (each in its own
    copy of the tree: gpu_check writes runs/ and figs/ under its tree; a gpu_check launch
@@ -38,6 +39,12 @@ the files are packed and the report written. What comes back, in ``--report-dir`
 - ``figs.tar.gz``: the figures the commands wrote under their trees' figs/ (figs/), the
   rest they wrote there (trees/<stream>/figs/: gpu_check's part reports) and every
   command's output (logs/, its last MiB).
+
+The lent machine reaches no package registry. A wheel it lacks travels in ``.carry/``
+(ignored by git; ``pip download torchao==0.18.0 --no-deps -d .carry`` here, then name
+``.carry`` among the paths the call carries): the pass unpacks each wheel whose packages
+do not import there and puts it on its commands' PYTHONPATH (``unpack_carried``; the
+report lists what it did). Without torchao the float8 row fails and says so; the rest runs.
 
 ``--rehearse`` runs the same streams on the CPU (no GPU is used, even where one is
 visible), each command with its smallest settings (gpu_check's toy scale, the debug
@@ -88,7 +95,32 @@ GRACE_S = 10             # between SIGINT and SIGKILL when a command is stopped
 HEADROOM_GIB = 4         # what the gate keeps back: each process's CUDA context, fragmentation
 TAIL_CHARS = 6000        # of each command's output, in gpu_pass.json (the tarball keeps LOG_BYTES)
 PARTS = "figs/gpu_check_parts"  # where, in its tree, each gpu_check launch writes its report
+CARRY = ROOT / ".carry"  # wheels the lent machine lacks (it reaches no registry): carried with the tree
 GEN_RUN = "runs/gpu_pass/generate"
+
+
+def unpack_carried(into: Path, env: dict, carry: Path = CARRY) -> list[str]:
+    """Every wheel in ``carry`` whose packages this Python cannot import, unpacked into
+    ``into`` and put first on ``env``'s PYTHONPATH, for the streams' processes; the wheels'
+    names, each with what was done. The lent machine reaches no registry, so pip cannot
+    install there; a wheel is a zip whose top-level folders import as they are (torchao's
+    float8 is Python over torch's own float8 matmul: its compiled extras, built for another
+    torch, are skipped by torchao itself)."""
+    import importlib.util
+    import zipfile
+    done = []
+    for wheel in sorted(carry.glob("*.whl")) if carry.is_dir() else []:
+        with zipfile.ZipFile(wheel) as z:
+            tops = sorted({n.split("/", 1)[0] for n in z.namelist() if "/" in n} - {""})
+            packages = [t for t in tops if not t.endswith((".dist-info", ".data"))]
+            if packages and all(importlib.util.find_spec(t) is not None for t in packages):
+                done.append(f"{wheel.name}: already importable here, not unpacked")
+                continue
+            z.extractall(into)
+        done.append(f"{wheel.name}: unpacked ({', '.join(packages)})")
+    if any(d.endswith(")") for d in done):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(into), env.get("PYTHONPATH")]))
+    return done
 
 
 @dataclass
@@ -158,9 +190,14 @@ def streams(rehearse: bool = False, big_memory: bool = False, cores: int | None 
         # last in phase 1: what the phase's end cuts short, it cuts here (each row is printed as
         # it is measured); the order is what a default would most likely change for
         Stream("variants", 1, "the fastest of whole-model vs per-block compile, fused AdamW, each attention kernel, "
-               "CUDA graphs and max-autotune at 125m, against step 3's per-block --compile: the default where it wins",
+               "CUDA graphs and max-autotune at 125m, against step 3's per-block --compile: the default where it wins; "
+               "float8 at 1b at least 1.25x the same whole-model graph in bf16",
                [Command(["-m", "tools.bench_variants", "--device", "cuda", "--timeout", "120", "--only",
-                         "blocks,model,fused,cudnn,cudagraphs,efficient,flash,autotune,eager"])] if gpu else
+                         "blocks,model,fused,cudnn,cudagraphs,efficient,flash,autotune,eager"]),
+                # float8 where it can gain (1b), against the same graph in bf16: needs torchao, which
+                # the lent machine lacks unless its wheel is carried in .carry/ (unpack_carried)
+                Command(["-m", "tools.bench_variants", "--device", "cuda", "--scale", "1b", "--timeout", "150",
+                         "--only", "model,float8"])] if gpu else
                # compiling on a CPU takes minutes: the rehearsal runs the one variant that compiles nothing
                [Command(["-m", "tools.bench_variants", "--scale", "debug", "--steps", "1", "--only", "eager",
                          *cpu])]),
@@ -473,6 +510,9 @@ def _run_pass(args, rehearse: bool, info: dict, table: list[Stream], out: Path, 
     trees = {s.name: (work / "trees" / s.name) for s in table}
     before = {name: copy_tree(tree) for name, tree in trees.items()}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    carried = unpack_carried(work / "site", env)  # e.g. torchao's wheel, for the float8 variant
+    for line in carried:
+        say(f"carried: {line}")
     if rehearse:  # the CPU only, even where a GPU is visible; one thread a process: the streams share the cores
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -484,7 +524,8 @@ def _run_pass(args, rehearse: bool, info: dict, table: list[Stream], out: Path, 
     report = {"mode": "rehearse" if rehearse else "gpu", "device": info["name"],
               "gpu_memory_gib": round(info["bytes"] / 2**30, 1) if info["bytes"] else None, "torch": info["torch"],
               "date": datetime.date.today().isoformat(), "commit": git_commit(), "budget_s": budget,
-              "command": "python -m tools.gpu_pass " + shlex.join(sys.argv[1:] if args.argv is None else args.argv)}
+              "command": "python -m tools.gpu_pass " + shlex.join(sys.argv[1:] if args.argv is None else args.argv),
+              "carried": carried}
     results, no_gate = {}, MemoryGate(None)
     say(f"phase 1: the timings, alone, one after another (until {budget * TIMINGS_SHARE:.0f} s)")
     for s in table:
@@ -600,6 +641,9 @@ def markdown(report: dict) -> str:
            + "; ".join(f"{p['date']}, commit {p.get('commit', 'unknown')}, {p.get('wall_s', 0):.0f} s of a "
                        f"{p.get('budget_s', 0):g} s budget" for p in passes) + ".", "",
            summary_markdown(report), ""]
+    carried = [c for p in passes for c in p.get("carried") or []]
+    if carried:
+        out += ["Carried wheels: " + "; ".join(carried) + ".", ""]
     for p in report["phases"]:
         out += [f"## Phase {p['phase']}: {p['what']} (until {p['until_s']} s; took {p['seconds']} s)", ""]
         for s in p["streams"]:
@@ -706,7 +750,7 @@ def merge(folders: list[str], out_dir: Path = ROOT / "figs") -> Path:
         done.update({s["name"]: s for p in r["phases"] for s in p["streams"]})
     order = [s.name for s in streams()]
     merged = {**reports[-1], "command": "python -m tools.gpu_pass --merge " + " ".join(["DIR"] * len(folders)),
-              "passes": [{k: r.get(k) for k in ("date", "commit", "wall_s", "budget_s")} for r in reports]}
+              "passes": [{k: r.get(k) for k in ("date", "commit", "wall_s", "budget_s", "carried")} for r in reports]}
     rank = lambda s: order.index(s["name"]) if s["name"] in order else len(order)  # noqa: E731
     merged["phases"] = [{**p, "streams": sorted((s for s in done.values() if s["phase"] == p["phase"]), key=rank)}
                         for p in reports[-1]["phases"]]
