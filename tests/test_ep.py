@@ -30,6 +30,7 @@ from common.model import get_config
 from common.parallelize.ep import ep_bytes_per_step
 import launch
 from conftest import hang_limit
+from test_model_parallel import adam_drift_bound
 from tests.tolerances import check_allocator, check_bf16_parity, check_optimizer_path, dry_runs
 
 TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
@@ -113,6 +114,7 @@ def test_parity_with_single_process(runs, n, name):
         assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: grad_norm {got} vs single-process {ref}"
     assert r["weight_keys_match"]
     assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
+    assert r["weight_max_abs_diff"] <= adam_drift_bound(steps=STEPS), r["weight_max_abs_diff"]
 
 
 def test_bf16_follows_one_device_bf16(runs):

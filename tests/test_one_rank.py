@@ -1,9 +1,10 @@
-"""Every step-3 training script runs at world size 1 and reproduces step 1's losses, and
-the GPU check command (tools/gpu_check.py) works, in its CPU mode.
+"""Every dense step-3 training script runs at world size 1 and reproduces step 1's losses,
+and the GPU check command (tools/gpu_check.py) works, in its CPU mode.
 
 A learner with one GPU (or a laptop) runs the step-3 scripts as written: plain ``python``
 (a process group of one) and ``torchrun --nproc-per-node 1`` must both work, for every
-strategy, and train exactly what step 1 trains. Two launches run side by side: one plain
+strategy, and train exactly what step 1 trains (EP trains a mixture of experts, which
+step 1 does not: tests/test_ep.py holds its one rank to step 1 on the same model). Two launches run side by side: one plain
 python process runs every variant in turn (tools/multirun.py), and the GPU pass rehearsed on
 the CPU (``python -m tools.gpu_pass --rehearse``), whose gpu_check launches (``--cpu``) run
 step 1, step 2 and every step-3 script at toy scale, the step-3 ones under ``torchrun
@@ -41,7 +42,10 @@ RUNS = {
     "pp_gpipe": (S3 + "train_pp.py", FP32 + ["--schedule", "gpipe"]),
     "2d": (S3 + "train_2d.py", FP32),  # default degrees at one rank: 1 x 1
     "3d": (S3 + "train_3d.py", FP32),  # 1 x 1 x 1
+    "cp": (S3 + "train_cp.py", FP32),  # a ring of one: the whole sequence on the rank
 }
+# (train_ep.py trains a mixture of experts, which step 1 does not: tests/test_ep.py holds its
+# one-rank run to step 1's on the same --model)
 
 
 GPU_CHECK_STEP3 = ("03_ddp", "03_zero1", "03_fsdp", "03_tp", "03_tp_sp", "03_pp", "03_2d", "03_3d", "03_cp")  # fp32

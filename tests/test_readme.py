@@ -129,6 +129,22 @@ def test_readme_flags_parse(capsys):
     assert not bad, "README commands whose flags the script rejects:\n" + "\n".join(bad)
 
 
+def test_every_command_prints_its_help(capsys):
+    """``--help`` of every script and tool a learner can run prints its usage and exits 0 (a
+    help string with a bare % once made argparse's formatting raise instead)."""
+    targets = sorted(str(p.relative_to(ROOT)) for d in ("step1_single_gpu", "step2_memory", "step3_multi_gpu",
+                                                        "step4_multi_node", "tools")
+                     for p in (ROOT / d).glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+    assert len(targets) >= 40, targets
+    silent = []
+    for target in targets:
+        # (by path: runpy's module form meets pytest's assertion rewriter at tools/test_times.py)
+        assert parse_only(target, ["--help"]) == 0, target
+        if "usage:" not in capsys.readouterr().out:
+            silent.append(target)
+    assert not silent, f"--help printed no usage: {silent}"
+
+
 def test_readme_commands_run(tmp_path):
     cmds = {" ".join(c): c for c in readme_commands()}
     for start in RUN:

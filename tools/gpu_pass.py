@@ -772,7 +772,7 @@ def main(argv=None) -> int:
                    help="the same streams on the CPU with tiny models (no GPU used), the same files written")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole pass may take (default: {DEFAULT_BUDGET_S}; phase 1 gets "
-                        f"{TIMINGS_SHARE:.0%} of it)")
+                        f"{TIMINGS_SHARE * 100:.0f}%% of it)")
     p.add_argument("--report-dir", help=f"an empty or new folder for the report's files (at most {MAX_FILES})")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="join passes' report folders into figs/ (no GPU needed)")
     p.add_argument("--keep-runs", metavar="DIR", help="copy gpu_check's run folders (metrics, summaries, traces) out of "
