@@ -135,11 +135,20 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     return {f"table-02{suffix}": text}
 
 
+def _allocator_peak(m: dict) -> str:
+    """The allocator's peak of a run, and the part of it no op handed the tracer."""
+    if not m.get("allocator_peak_bytes"):
+        return "-"
+    unseen = (m.get("allocator_unseen_at_peak") or {}).get("bytes") or 0
+    return fmt_bytes(m["allocator_peak_bytes"], ".1f") + (f" ({fmt_bytes(unseen, '.1f')} unseen)" if unseen >= 2**20
+                                                            else "")
+
+
 def float8_table(suffix: str = "") -> dict[str, str]:
     """Step 2d: float8 beside bf16, same model, batch and steps: the losses, the memory at
     the peak against the bf16 prediction, and the (CPU-emulated) step time."""
     rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
-            "activations (predicted for bf16) | other | peak | step time |", "|" + "---|" * 11]
+            "activations (predicted for bf16) | other | peak | allocator's peak | step time |", "|" + "---|" * 12]
     ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().splitlines()]
     for name, label, cmd in (("bf16", "AMP bf16", "python step2_memory/train_amp.py"),
                              ("float8", "float8 + bf16", "python step2_memory/train_float8.py")):
@@ -152,11 +161,13 @@ def float8_table(suffix: str = "") -> dict[str, str]:
         act = f"{fmt_bytes(m['activations'], '.1f')} ({fmt_bytes(pred['activations'], '.1f')})"
         rows.append(f"| {label} | `{cmd}` | {gap:.2%} | {s['final_loss']:.4f} | {' | '.join(cells)} | {act} | "
                     f"{fmt_bytes(m['other'], '.1f')} | **{fmt_bytes(s['memory'][0]['peak_bytes'], '.1f')}** | "
-                    f"{s['step_time_s'] * 1e3:,.0f} ms |")
+                    f"{_allocator_peak(s['memory'][0])} | {s['step_time_s'] * 1e3:,.0f} ms |")
     s = summary("02_float8/float8", suffix)
     head = (f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']}, {s['steps']} steps, "
             f"{s['device_name']}; float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "
-            f"{', '.join(s['float8']['skipped'])}.")
+            f"{', '.join(s['float8']['skipped'])}. The peak and its categories are the memory tracer's; the "
+            f"allocator's peak is the device allocator's own count of the same steps, with what it held at its "
+            f"peak that no op handed the tracer (allocated inside an op).")
     return {"table-02-float8" + suffix: head + "\n\n" + "\n".join(rows)}
 
 

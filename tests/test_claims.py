@@ -62,19 +62,32 @@ def test_fsdp_casts_rope_passed_as_forward_input(gloo):
     assert gloo["cos_in_block"] == gloo["x_in_block"] == "torch.bfloat16"
 
 
+def test_tensor_parallel_embedding_gradient_is_replicated(gloo):
+    """will_it_fit.md, model state: the token embedding is split by vocabulary, but DTensor's
+    embedding backward returns its gradient replicated, the whole (V, d) on every TP rank;
+    the formula (common/measure/theory.py:predict) counts that, not a 1/tp share."""
+    e = gloo["tp_embedding"]
+    assert e["weight"] == ["S(0)"] and e["weight_local"] == [e["full"][0] // gloo["world"], e["full"][1]]
+    assert e["grad"] == ["R"] and e["grad_local"] == e["full"], e
+
+
 def test_cpu_autocast_runs_norm_ops_in_bf16_and_our_rmsnorm_upcasts():
     """README 2.1: which ops autocast keeps in fp32 depends on the device. On the CPU
-    softmax, sum, pow and rsqrt stay bf16 (CUDA's list runs them in fp32); cross-entropy is
-    fp32 on both. Our RMSNorm (PyTorch's rms_norm) computes in fp32 whatever its input."""
+    softmax, sum, pow and rsqrt are on neither list: they run in their input's dtype, bf16
+    or fp32 (CUDA's list runs them in fp32); cross-entropy is fp32 on both. Our RMSNorm
+    (PyTorch's rms_norm) computes in fp32 whatever its input."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from common.model import RMSNorm
+    def dtypes(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return {name: op().dtype for name, op in {
+                "softmax": lambda: F.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, -1),
+                "layer_norm": lambda: F.layer_norm(x, (8,)), "sum": lambda: x.sum(), "pow": lambda: x.pow(2),
+                "rsqrt": lambda: x.abs().rsqrt()}.items()}
     x = torch.randn(4, 8, dtype=torch.bfloat16)
+    kept, given_fp32 = dtypes(x), dtypes(x.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        kept = {name: op().dtype for name, op in {
-            "softmax": lambda: F.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, -1),
-            "layer_norm": lambda: F.layer_norm(x, (8,)), "sum": lambda: x.sum(), "pow": lambda: x.pow(2),
-            "rsqrt": lambda: x.abs().rsqrt()}.items()}
         ce = F.cross_entropy(x, torch.randint(0, 8, (4,))).dtype
 
     class Dtypes(TorchDispatchMode):
@@ -90,6 +103,7 @@ def test_cpu_autocast_runs_norm_ops_in_bf16_and_our_rmsnorm_upcasts():
     with torch.autocast("cpu", dtype=torch.bfloat16), Dtypes() as mode:
         RMSNorm(8, 1e-5)(x)
     assert set(kept.values()) == {torch.bfloat16}, kept
+    assert set(given_fp32.values()) == {torch.float32}, given_fp32  # not cast down either
     assert ce == torch.float32
     assert mode.seen == {torch.float32}
 

@@ -119,8 +119,8 @@ CASES = {
                    "(got 2)."),
         case("err_pp_interleaved", PP, "--model", "debug", "--n-layers", "8", "--schedule", "interleaved1f1b",
              "--microbatches", "6", "--global-batch-size", "6",
-             error="interleaved1f1b needs the number of micro-batches to be a multiple of the 4 pipeline ranks; "
-                   "use --microbatches 8 (got 6)."),
+             error="interleaved1f1b here takes a multiple of the 4 pipeline ranks as its number of micro-batches "
+                   "(where its bubble formula holds); use --microbatches 8 (got 6)."),
         case("err_pp_batch", PP, "--model", "debug", "--schedule", "gpipe", "--microbatches", "3",
              error="--global-batch-size 4 does not split into 3 equal micro-batches; use a multiple of 3."),
         case("err_2d_shape", TWO_D, "--model", "debug", "--dp", "1", "--tp", "2",
@@ -412,6 +412,10 @@ def test_tp_parameter_memory_is_a_1_over_w_share(runs, n, name, model):
         assert m["peak_by_category"]["parameters"] == expected, m["rank"]
         # AdamW's two moments, sharded alike, and one 4-byte step count per parameter tensor
         assert m["peak_by_category"]["optimizer state"] == 2 * expected + 4 * len(numels)
+        # the gradients too, but the embedding's: DTensor's embedding backward returns it
+        # replicated, the whole (V, d) on every rank (the formula counts it so)
+        emb = numels["tok_embeddings.weight"]
+        assert m["before_optimizer"]["gradients"] == expected + 4 * (emb - emb // n), m["rank"]
     assert expected < 4 * sum(numels.values()) / n * 1.05  # the norms are a small replicated remainder
 
 

@@ -260,6 +260,10 @@ VALUES = {
     "f8.act-under": lambda: f"{_f8_act('AMP bf16') - _f8_act('float8 + bf16'):.0f} MiB",
     "f8.peak-over": lambda: "{:.1%}".format(_num(_cell("table-02-float8", "float8 + bf16", "peak"))
                                             / _num(_cell("table-02-float8", "AMP bf16", "peak")) - 1),
+    "f8.alloc-peak-over": lambda: "{:.1%}".format(_num(_cell("table-02-float8", "float8 + bf16", "allocator's peak"))
+                                                  / _num(_cell("table-02-float8", "AMP bf16", "allocator's peak")) - 1),
+    "f8.unseen": lambda: re.search(r"\(([\d.]+ \w?i?B) unseen\)",
+                                   _cell("table-02-float8", "float8 + bf16", "allocator's peak")).group(1),
     "f8.overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("float8 + bf16") - 1),
     "f8.amp-overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("AMP bf16") - 1),
     "f8.predicted": lambda: f"{_f8_predicted():.1f}",

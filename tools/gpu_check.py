@@ -1,6 +1,8 @@
 """Check the whole project on CUDA in one command: ``python -m tools.gpu_check``.
 
-On whatever CUDA GPUs are visible it runs every training script at GPU scale (the 125m
+On whatever CUDA GPUs are visible it runs every training script but train_float8.py and
+train_deepspeed.py (the lent GPU machine had neither torchao nor DeepSpeed; tools/gpu_pass.py
+times float8 in bench_variants' bare loop) at GPU scale (the 125m
 model at 12 x 1024 tokens, and the 1b model at 4 x 2048 where it fits), in bf16 where the
 script has it, eager and compiled; step-3 scripts run with one rank per GPU (one rank on a
 one-GPU machine: NCCL refuses two ranks on one GPU). Every step-3 script also runs a dry

@@ -33,8 +33,9 @@ def memory_saver_step(model_name: str, batch: int, seq_len: int, device, amp: st
                       lr: float = 3e-3) -> Callable[[], None]:
     """One optimizer step of the step-2 scripts (autocast, AC, K micro-batches), as a closure.
 
-    The training loop is the scripts' own, without the data loader, the scaler (bf16 and
-    fp32 need none) and the tracer, none of which changes from one set-up to the next.
+    The training loop is the scripts' own, without the data loader, gradient clipping, the
+    scaler (bf16 and fp32 need none) and the tracer, none of which changes from one set-up
+    to the next.
     """
     device = torch.device(device)
     model = build_model(get_config(model_name), device, seed=seed)

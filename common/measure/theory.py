@@ -185,6 +185,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     fsdp = kind.startswith(("fsdp", "hsdp"))
     shard = (plan.shard or plan.dp) if fsdp else plan.dp
     out = _state("fsdp" if fsdp else kind, shapes, shard, dp_index % shard if fsdp else dp_index)
+    if plan.tp > 1 and "tok_embeddings.weight" in shapes and not fsdp:
+        # DTensor's embedding backward returns the vocabulary-split weight's gradient
+        # replicated: every TP rank holds the whole (V, d) gradient, not its 1/tp rows
+        # (tests/test_claims.py); FSDP under 2-D reduce-scatters it into its shard
+        out["gradients"] += 4 * (cfg.vocab_size * cfg.dim - math.prod(shapes["tok_embeddings.weight"]))
 
     # activations: one micro-batch's tokens per rank, times the micro-batches kept alive
     loops = _loops(plan)

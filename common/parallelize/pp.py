@@ -107,9 +107,11 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
         raise UserError(f"1f1b needs at least as many micro-batches as pipeline ranks; use --microbatches {pp} "
                         f"or more (got {microbatches}).")
     if schedule == "interleaved1f1b" and microbatches % pp:
-        raise UserError(f"interleaved1f1b needs the number of micro-batches to be a multiple of the {pp} "
-                        f"pipeline ranks; use --microbatches {pp * max(1, round(microbatches / pp))} "
-                        f"(got {microbatches}).")
+        # (PyTorch runs any count that splits into whole rounds of m // p; this tutorial keeps
+        # multiples of p, where the bubble formula (p - 1)/(2m + p - 1) and the estimator hold)
+        raise UserError(f"interleaved1f1b here takes a multiple of the {pp} pipeline ranks as its number of "
+                        f"micro-batches (where its bubble formula holds); use --microbatches "
+                        f"{pp * max(1, round(microbatches / pp))} (got {microbatches}).")
     if schedule == "dualpipev" and microbatches < 2 * pp:
         raise UserError(f"dualpipev needs at least as many micro-batches as its {2 * pp} stages (2 per rank); "
                         f"use --microbatches {2 * pp} or more (got {microbatches}).")

@@ -1,8 +1,9 @@
 """One 2-rank gloo launch for the README's distributed claims (tests/test_claims.py).
 
 Rank 0 writes OUT as JSON: what ReduceOp.AVG returned, the TORCH_NCCL_ASYNC_ERROR_HANDLING
-torchrun gave the worker, and the dtypes RoPE's tables have inside an FSDP2 unit under
-MixedPrecisionPolicy(param_dtype=bf16).
+torchrun gave the worker, the dtypes RoPE's tables have inside an FSDP2 unit under
+MixedPrecisionPolicy(param_dtype=bf16), and the placement of tensor parallelism's embedding
+gradient.
 """
 import json
 import os
@@ -39,6 +40,17 @@ def main(out):
         lambda m, args: seen.update(cos_in_block=str(args[1].dtype), x_in_block=str(args[0].dtype)))
     model(torch.randint(0, cfg.vocab_size, (2, 16)))
     seen["root_buffer"] = str(model.rope_cos.dtype)
+    # tensor parallelism's embedding: the weight split by vocabulary, its gradient as
+    # DTensor's embedding backward returns it
+    from common.parallelize.tp import apply_tp
+    tp_model = Transformer(cfg)
+    tp_model.init_weights(seed=0)
+    apply_tp(tp_model, init_device_mesh("cpu", (w,), mesh_dim_names=("tp",)))
+    tp_model(torch.randint(0, cfg.vocab_size, (2, 16))).float().sum().backward()
+    weight = tp_model.tok_embeddings.weight
+    seen["tp_embedding"] = {"weight": [str(p) for p in weight.placements], "weight_local": list(weight.to_local().shape),
+                            "grad": [str(p) for p in weight.grad.placements],
+                            "grad_local": list(weight.grad.to_local().shape), "full": [cfg.vocab_size, cfg.dim]}
     if rank == 0:
         Path(out).write_text(json.dumps({
             "avg": t.tolist(), "mean": want.tolist(), "world": w,
