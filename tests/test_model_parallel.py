@@ -1,7 +1,8 @@
 """Chapter 3b, the model-parallel family: tensor, sequence, pipeline and 2-D parallelism.
 
-Real processes on CPU with gloo. Two torchrun jobs (2 and 4 ranks) run all the cases
-through tests/drivers/model_parallel.py, plus one plain launch with a bad mesh shape; they
+Real processes on CPU with gloo. Four torchrun jobs (2, 3 and 4 ranks, and 4 for 3-D) run
+all the cases through tests/drivers/model_parallel.py, plus one 4-rank torchrun launch with a
+bad mesh shape; they
 start together once per module and every test below reads their results:
 - parity: the loss of every step and the final weights (gathered back into one state
   dict) match the single-process step 1 loop on the same global batch, fp32;

@@ -180,7 +180,9 @@ def provenance_table(made: dict[str, dict]) -> str:
         rows.setdefault((name.split("_", 1)[0], e["device"], e["torch"], e["date"], e["command"]), []).append(name)
     lines = ["| files in figs/ | made on | torch | date | by |", "|---|---|---|---|---|"]
     for (prefix, dev, torch_version, date, cmd), names in rows.items():
-        files = f"{len(names)} file{'s' if len(names) != 1 else ''}"
+        folders = sum((ROOT / "figs" / n).is_dir() for n in names)
+        counts = [(len(names) - folders, "file"), (folders, "folder")]
+        files = ", ".join(f"{k} {what}{'s' if k != 1 else ''}" for k, what in counts if k)
         lines.append(f"| `{prefix}_*` ({files}) | {dev} | {torch_version} | {date} | `{cmd}` |")
     return "\n".join(lines)
 
