@@ -121,7 +121,7 @@ class StopSignals:
             if signum == signal.SIGINT:
                 patience = min(patience, CTRL_C_PATIENCE_S)
             if idle > patience and not self._closed.is_set():
-                print(f"[rank {self.ctx.rank}] {name}: no step ended in the {idle:.0f} s since the last one "
+                print(f"[rank {self.ctx.rank}] {name}: no step ended in the {idle:.0f} s since the last step end or save "
                       f"(another rank is gone?); stopping without a checkpoint.", file=sys.stderr, flush=True)
                 os._exit(128 + signum)
 

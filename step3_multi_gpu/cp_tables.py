@@ -79,7 +79,8 @@ def cp_memory_figure(run_dir, suffix: str = "") -> dict[str, str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Each rank keeps 1/cp of the activations: {s1['model']}, batch {batch} x {seq}, {dtype}\n"
-                 f"torchrun --nproc-per-node N step3_multi_gpu/train_cp.py --seq-len {seq}", fontsize=9)
+                 f"torchrun --nproc-per-node N step3_multi_gpu/train_cp.py --seq-len {seq} --global-batch-size {batch}"
+                 + (" --amp off" if dtype == "fp32" else ""), fontsize=9)
     fig.tight_layout()
     figs = ROOT / "figs"
     fig.savefig(figs / f"03_cp_memory{suffix}.png", dpi=110)

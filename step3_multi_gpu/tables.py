@@ -207,7 +207,7 @@ def clip_table(runs_dir) -> str:
                 continue
             lines.append(f"| {label} | {'the global norm' if how == 'global' else 'each rank its own'} | "
                          f"{r[0]['grad_norm']:.4f} | {r[-1]['grad_norm']:.4f} | {r[-1]['loss']:.5f} | "
-                         f"{r[-1]['loss'] - single[-1]['loss']:+.5f} |")
+                         f"{r[-1]['loss'] - single[-1]['loss'] + 0.0:+.5f} |".replace("-0.00000", "+0.00000"))
     s = json.loads((Path(runs_dir) / "single" / "summary.json").read_text())
     lines += ["", f"{s['model']} preset, {s['model_config']['n_layers']} layers, batch {s['global_batch_size']} x "
               f"{s['seq_len']} tokens, {s['steps']} steps, --max-norm 0.5 (every step clips); "

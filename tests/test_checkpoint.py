@@ -39,6 +39,7 @@ from common.errors import UserError
 from common.model import Transformer, get_config
 import launch
 from conftest import ROOT, hang_limit
+from tests.tolerances import PARITY_RTOL, TIGHT_RTOL
 from drivers import dp as _dp
 
 
@@ -280,7 +281,7 @@ def test_two_nodes_on_one_machine_match_step1(jobs):
     ref = jobs.two_nodes["reference"]["losses"]
     assert list(ref) == STEPS
     for name in ("ddp4", "fsdp4", "zero1_4"):
-        _close(jobs.two_nodes[name]["losses"], ref, STEPS, 1e-5)
+        _close(jobs.two_nodes[name]["losses"], ref, STEPS, PARITY_RTOL)
 
 
 def test_each_rank_of_a_second_node_takes_its_local_gpu(jobs):
@@ -569,14 +570,14 @@ def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path):
 def test_checkpoints_reshard_across_world_sizes_and_strategies(jobs):
     e, four = jobs.elastic, jobs.two_nodes
     # FSDP 4 ranks -> 2 ranks, ZeRO-1 4 -> 2: the same global batch, so the same losses
-    _close(e["fsdp_from_fsdp4"]["losses"], four["fsdp4"]["losses"], ["4", "5"], 1e-5)
-    _close(e["zero1_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], 1e-5)
+    _close(e["fsdp_from_fsdp4"]["losses"], four["fsdp4"]["losses"], ["4", "5"], PARITY_RTOL)
+    _close(e["zero1_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], PARITY_RTOL)
     assert list(e["fsdp_from_fsdp4"]["losses"]) == ["4", "5"]  # it started at step 4
     # DDP <-> FSDP, FSDP -> FSDP with CPU offload: one checkpoint format
     for name, src in (("fsdp_from_ddp", "ddp"), ("ddp_from_fsdp", "fsdp"), ("offload_from_fsdp", "fsdp")):
-        _close(e[name]["losses"], e[src]["losses"], ["4", "5"], 1e-6)
+        _close(e[name]["losses"], e[src]["losses"], ["4", "5"], TIGHT_RTOL)
     # ZeRO-1 on 4 ranks (each rank saved its quarter of AdamW's state) -> plain DDP on 2
-    _close(e["ddp_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], 1e-5)
+    _close(e["ddp_from_zero1_4"]["losses"], four["zero1_4"]["losses"], ["4", "5"], PARITY_RTOL)
 
 
 def test_a_checkpoint_holds_the_same_tensor_bytes_in_every_layout(jobs):
@@ -864,10 +865,10 @@ def test_tensor_parallel_and_ddp_resume_each_other(mp_job):
     update made with the loaded AdamW state, is the uninterrupted run's (to fp32's
     reduction order); a state lost or mapped to the wrong parameters would move it."""
     tp, ddp = mp_job["tp"], mp_job["ddp"]
-    assert all(math.isclose(tp["losses"][s], ddp["losses"][s], rel_tol=1e-5) for s in MP_STEPS)
+    assert all(math.isclose(tp["losses"][s], ddp["losses"][s], rel_tol=PARITY_RTOL) for s in MP_STEPS)
     for resumed, plain in ((mp_job["ddp_from_tp"], tp), (mp_job["tp_from_ddp"], ddp)):
         assert list(resumed["losses"]) == ["2", "3"]
-        assert all(math.isclose(resumed["losses"][s], plain["losses"][s], rel_tol=1e-5) for s in ("2", "3"))
+        assert all(math.isclose(resumed["losses"][s], plain["losses"][s], rel_tol=PARITY_RTOL) for s in ("2", "3"))
 
 
 def test_two_d_script_resumes_exactly(mp_job):
@@ -914,7 +915,7 @@ def test_pipeline_checkpoint_loads_into_another_stage_count(mp_job):
     resumed, src = mp_job["pp4_from_pp"], mp_job["pp"]
     assert list(resumed["losses"]) == ["2", "3"]  # started after step 1's checkpoint
     for s in ("2", "3"):
-        assert resumed["losses"][s] == pytest.approx(src["losses"][s], rel=1e-5), s
+        assert resumed["losses"][s] == pytest.approx(src["losses"][s], rel=PARITY_RTOL), s
 
 
 # ==== random kills ==============================================================================

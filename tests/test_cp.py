@@ -29,7 +29,8 @@ from common.parallelize.cp import positions
 from test_model_parallel import adam_drift_bound, torchrun
 import launch
 from conftest import hang_limit
-from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path, dry_runs
+from tests.tolerances import (PARITY_RTOL, TIGHT_RTOL, check_allocator, check_bf16_parity, check_dry_run,
+                              check_optimizer_path, check_weights, dry_runs)
 
 TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs take about 30 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 3, 4, 32
@@ -103,13 +104,11 @@ def test_parity_with_single_process(runs, n, name):
     check_optimizer_path(r["summary"], next(c for c in CASES[n] if c["name"] == name)["flags"])
     assert len(r["losses"]) == STEPS and r["losses"][-1] != r["losses"][0]
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
-        assert math.isclose(got, ref, rel_tol=1e-6), f"step {step}: {got} vs single-process {ref}"
+        assert math.isclose(got, ref, rel_tol=TIGHT_RTOL), f"step {step}: {got} vs single-process {ref}"
     assert min(r["ref_grad_norms"]) > 0.5, "every step must clip for the norms to be tested"
     for step, (got, ref) in enumerate(zip(r["grad_norms"], r["ref_grad_norms"])):
-        assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: grad_norm {got} vs {ref}"
-    assert r["weight_keys_match"]  # every case saves its final weights (--save-weights)
-    assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
-    assert r["weight_max_abs_diff"] <= adam_drift_bound(steps=STEPS), r["weight_max_abs_diff"]
+        assert math.isclose(got, ref, rel_tol=PARITY_RTOL), f"step {step}: grad_norm {got} vs {ref}"
+    check_weights(r, adam_drift_bound(steps=STEPS))  # every case saves its final weights (--save-weights)
 
 
 def test_bf16_matches_the_one_device_bf16_run(runs):

@@ -26,6 +26,7 @@ from common.data import Batches, load_corpus
 from common.model import build_model, document_mask, get_config, kv_for_kernel, set_doc_mask
 import launch
 from conftest import ROOT, hang_limit
+from tests.tolerances import PARITY_RTOL
 from tools import prepare_data
 from tools.multirun import run_script
 
@@ -213,7 +214,7 @@ def test_two_ranks_match_one_process(two_ranks, step1_runs, name):
     stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, stderr[-3000:]
     ref = step1_runs["masked_moe" if name == "ep" else "masked"]
-    assert _losses(out / name) == pytest.approx(_losses(ref), rel=1e-5), name
+    assert _losses(out / name) == pytest.approx(_losses(ref), rel=PARITY_RTOL), name
 
 
 def test_a_checkpoint_says_whether_it_was_trained_with_the_mask():

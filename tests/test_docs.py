@@ -47,7 +47,7 @@ def test_every_value_name_is_known_and_used():
 @pytest.fixture
 def tree(tmp_path, monkeypatch):
     """A copy of the pages and the sources their values read, for the figures command to rewrite."""
-    for rel in [*docs.DOCS, "figs/gpu_check_h200.json", "step4_multi_node/train.slurm"]:
+    for rel in [*docs.DOCS, "figs/gpu_check_h200.json", "step4_multi_node/train.slurm", "tests/tolerances.py"]:
         if (ROOT / rel).exists():
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ROOT / rel, tmp_path / rel)
@@ -55,6 +55,17 @@ def tree(tmp_path, monkeypatch):
     monkeypatch.setattr(docs, "ROOT", tmp_path)
     monkeypatch.setattr(tools.figures, "ROOT", tmp_path)
     return tmp_path
+
+
+def test_a_tolerance_the_tests_change_changes_the_pages(tree):
+    """The tolerances the pages quote are the tests' own (tests/tolerances.py): a test made
+    looser or stricter carries its number into every sentence that quotes it."""
+    source = tree / "tests" / "tolerances.py"
+    source.write_text(source.read_text().replace("PARITY_RTOL = 1e-5", "PARITY_RTOL = 2e-5"))
+    assert any("test.parity-rtol reads '1e-5', its source says '2e-5'" in s for s in docs.stale()), docs.stale()
+    docs.fill_pages()
+    text = (tree / "step3_multi_gpu" / "model_parallel.md").read_text()
+    assert "<!-- v:test.parity-rtol -->2e-5<!-- /v -->" in text and "<!-- v:test.parity-rtol -->1e-5" not in text
 
 
 def test_regenerating_an_unchanged_tree_changes_no_page(tree):

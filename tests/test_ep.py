@@ -31,7 +31,8 @@ from common.parallelize.ep import ep_bytes_per_step
 import launch
 from conftest import hang_limit
 from test_model_parallel import adam_drift_bound
-from tests.tolerances import check_allocator, check_bf16_parity, check_optimizer_path, dry_runs
+from tests.tolerances import (PARITY_RTOL, TIGHT_RTOL, check_allocator, check_bf16_parity, check_optimizer_path,
+                              check_weights, dry_runs)
 
 TIMEOUT_S = hang_limit(240)  # a hang detector: both jobs together take about 40 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -107,14 +108,12 @@ def test_parity_with_single_process(runs, n, name):
     assert r["exit_code"] == 0, r["stderr_tail"]
     check_optimizer_path(r["summary"], next(c["flags"] for c in CASES[n] if c["name"] == name))
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
-        assert math.isclose(got, ref, rel_tol=1e-6), f"step {step}: {got} vs single-process {ref}"
+        assert math.isclose(got, ref, rel_tol=TIGHT_RTOL), f"step {step}: {got} vs single-process {ref}"
     assert r["losses"][-1] != r["losses"][0]
     assert min(r["ref_grad_norms"]) > 0.5, "every step must clip for the norms to be tested"
     for step, (got, ref) in enumerate(zip(r["grad_norms"], r["ref_grad_norms"], strict=True)):
-        assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: grad_norm {got} vs single-process {ref}"
-    assert r["weight_keys_match"]
-    assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
-    assert r["weight_max_abs_diff"] <= adam_drift_bound(steps=STEPS), r["weight_max_abs_diff"]
+        assert math.isclose(got, ref, rel_tol=PARITY_RTOL), f"step {step}: grad_norm {got} vs single-process {ref}"
+    check_weights(r, adam_drift_bound(steps=STEPS))  # every case saves its final weights (--save-weights)
 
 
 def test_bf16_follows_one_device_bf16(runs):

@@ -274,5 +274,5 @@ def test_the_doc_mask_block_is_of_the_runs_its_flags_make():
         assert 0 < float(last) < 6 and 0 < float(held_out) < 6, name  # (an untrained byte model starts at ln 256 = 5.5)
         ms, tok_s = float(step.split()[0].replace(",", "")), float(per_s.replace(",", ""))
         assert tok_s == pytest.approx(tokens / (ms / 1e3), rel=0.01), name
-    share = re.search(r"(\d+)% of the windows trained on hold a document boundary", text)
+    share = re.search(r"(\d+)% of the windows trained on hold an end-of-text token before their last position", text)
     assert share and 0 < int(share[1]) < 100

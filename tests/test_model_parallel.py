@@ -19,7 +19,6 @@ import math
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,8 @@ from common.measure.formulas import tp_bytes_per_step  # noqa: E402
 from common.measure.splits import stage_layers  # noqa: E402
 import launch
 from conftest import hang_limit  # noqa: E402
-from tests.tolerances import check_allocator, check_bf16_parity, check_dry_run, check_optimizer_path  # noqa: E402
+from tests.tolerances import (PARITY_RTOL, TIGHT_RTOL, check_allocator, check_bf16_parity, check_dry_run,  # noqa: E402
+                              check_optimizer_path, check_weights)
 
 TIMEOUT_S = hang_limit(280)  # a hang detector: the jobs take about 70 s on an idle 2-core machine
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -210,22 +210,20 @@ def test_parity_with_single_process(runs, n, name):
     assert len(r["losses"]) == STEPS
     check_optimizer_path(r["summary"], case_flags(n, name))
     for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
-        assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: {got} vs single-process {ref}"
+        assert math.isclose(got, ref, rel_tol=PARITY_RTOL), f"step {step}: {got} vs single-process {ref}"
     assert r["losses"][-1] != r["losses"][0]  # it trained
     # The global gradient norm: TP slices and replicated norms counted once, pipeline
     # stages' squares added along the pipeline, 2-D and 3-D both.
     assert min(r["ref_grad_norms"]) > 0.5, "every step must clip for the norms to be tested"
     for step, (got, ref) in enumerate(zip(r["grad_norms"], r["ref_grad_norms"])):
-        assert math.isclose(got, ref, rel_tol=1e-5), f"step {step}: grad_norm {got} vs single-process {ref}"
-    assert r["weight_keys_match"], "the gathered state dict does not have the full model's names"
+        assert math.isclose(got, ref, rel_tol=PARITY_RTOL), f"step {step}: grad_norm {got} vs single-process {ref}"
     # Summing over ranks in another order changes a gradient by fp32 rounding (~1e-7 of its
     # size). Adam divides each update by sqrt(v), so where a gradient is itself at rounding
     # level its normalised update can take any sign: that element may drift by Adam's
     # largest possible step, and no fixed small tolerance holds on every machine (3.78e-5
     # was seen on a GPU machine's CPU). So: all but a handful of elements agree to 1e-6, and
     # none is further apart than two Adam trajectories can get (adam_drift_bound).
-    assert r["weight_n_over_1e-6"] <= 1e-4 * r["weight_numel"], r["weight_n_over_1e-6"]
-    assert r["weight_max_abs_diff"] <= adam_drift_bound(), r["weight_max_abs_diff"]
+    check_weights(r, adam_drift_bound())
 
 
 @pytest.mark.parametrize("n,name", OK_CASES, ids=[f"{WORLD[n]}ranks-{name}" for n, name in OK_CASES])
@@ -284,7 +282,7 @@ def test_the_validation_curve_is_the_single_process_one(runs, n, name):
     assert r["exit_code"] == 0, r["stderr_tail"]
     assert sorted(r["val_losses"]) == sorted(r["ref_val_losses"]) == ["1", "3"]
     for step, ref in r["ref_val_losses"].items():
-        assert math.isclose(r["val_losses"][step], ref, rel_tol=1e-5), f"step {step}: {r['val_losses'][step]} vs {ref}"
+        assert math.isclose(r["val_losses"][step], ref, rel_tol=PARITY_RTOL), f"step {step}: {r['val_losses'][step]} vs {ref}"
     assert r["summary"]["val_loss"] == r["val_losses"]["3"]
 
 
@@ -369,7 +367,7 @@ def test_every_rank_agrees_with_the_cpu_allocator(runs, dry, n, name):
 def test_activation_checkpointing_changes_no_loss(runs, ac, plain):
     """Recomputing the dropped activations repeats the very fp32 ops: the losses of AC off."""
     got, want = result(runs, 2, ac)["losses"], result(runs, 2, plain)["losses"]
-    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    assert got == pytest.approx(want, rel=TIGHT_RTOL, abs=0)
 
 
 def adam_drift_bound(steps=STEPS, lr=3e-3, warmup=10, betas=(0.9, 0.95)) -> float:

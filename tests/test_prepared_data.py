@@ -28,6 +28,7 @@ from common.errors import UserError
 from common.hf import byte_chars
 import launch
 from conftest import ROOT, hang_limit
+from tests.tolerances import PARITY_RTOL
 from tools import prepare_data
 
 TIMEOUT_S = hang_limit(300)  # a hang detector: the three launches take about a minute on an idle 2-core machine
@@ -280,11 +281,11 @@ def runs(bpe):
 def test_two_ranks_on_prepared_data_match_one_process(runs):
     two, one = _losses(runs / "two"), _losses(runs / "one")
     assert list(two) == [0, 1, 2, 3]
-    assert two == pytest.approx(one, rel=1e-5)
+    assert two == pytest.approx(one, rel=PARITY_RTOL)
     assert two[0] == pytest.approx(np.log(VOCAB), rel=0.05)  # an untrained model of 300 tokens
     summaries = [json.loads((runs / r / "summary.json").read_text()) for r in ("two", "one")]
     assert summaries[0]["world_size"] == 2 and summaries[0]["model_config"]["vocab_size"] == VOCAB
-    assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], rel=1e-5)
+    assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], rel=PARITY_RTOL)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -294,16 +295,16 @@ def test_every_step3_layout_trains_on_prepared_data_as_one_process_does(runs, la
     under TP); EP on 2 ranks gives the mixture of experts' losses of EP in one process."""
     ref = "ep_one" if layout == "ep" else "one"
     got, want = _losses(runs / layout), _losses(runs / ref)
-    assert list(got) == [0, 1, 2, 3] and got == pytest.approx(want, rel=1e-5), (layout, got, want)
+    assert list(got) == [0, 1, 2, 3] and got == pytest.approx(want, rel=PARITY_RTOL), (layout, got, want)
     summary, reference = (json.loads((runs / r / "summary.json").read_text()) for r in (layout, ref))
     assert summary["world_size"] == 2 and summary["model_config"]["vocab_size"] == VOCAB
-    assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=PARITY_RTOL)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_at_the_uninterrupted_loss(runs):
     resumed, two = _losses(runs / "resumed"), _losses(runs / "two")
     assert list(resumed) == [2, 3]
-    assert resumed == pytest.approx({s: two[s] for s in (2, 3)}, rel=1e-5)
+    assert resumed == pytest.approx({s: two[s] for s in (2, 3)}, rel=PARITY_RTOL)
 
 
 def test_resume_refuses_data_that_changed_under_the_same_path(runs, src, tmp_path):

@@ -23,8 +23,9 @@ what step 3's scripts do with ``--compile``:
   several matmul and fusion kernels and keeps the fastest; compiling takes longest);
 - ``float8``: ``model`` with its Linear layers in float8 first (step 2d's conversion:
   torchao's Float8Linear, tensorwise scales; the output layer stays bf16): compare it with
-  ``model``, and at 1b, where the matmuls are wide enough to gain (on a CPU, and on a GPU
-  before compute capability 8.9, torchao emulates: a time of no meaning).
+  ``model``, and at 1b, where the matmuls are wide enough to gain (on a CPU torchao
+  emulates: a time of no meaning; a GPU before compute capability 8.9 has no float8
+  matmul, and the row fails with that sentence).
 
 Each variant runs in a fresh process (dynamo's caches and the allocator's pool are per
 process: no variant inherits another's), one after another, and its row is printed as soon
@@ -87,8 +88,12 @@ def prepare(model, variant: Variant) -> None:
     """Convert and compile ``model`` in place as ``variant`` says (nothing for eager)."""
     from common.parallelize.compile import apply_compile
     if variant.float8:  # before compiling, as train_float8.py does: the casts fuse into the graph
-        from common.parallelize.float8 import convert_float8
-        convert_float8(model, next(model.parameters()).device)
+        from common.parallelize.float8 import convert_float8, float8_unsupported
+        device = next(model.parameters()).device
+        why = float8_unsupported(device)
+        if why:
+            raise UserError(why)
+        convert_float8(model, device)
     options = {"mode": variant.mode} if variant.mode else {}
     if variant.compile == "model":
         model.compile(**options)

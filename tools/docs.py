@@ -581,6 +581,24 @@ def _chaos_after_last() -> dict[str, str]:
 _OWN_MEMORY_RUNS = ("01_baseline", "02_amp", "02_amp_compile", "1b_fp32", "1b_amp", "03_ddp", "03_zero1")
 
 
+def _tolerance(name: str):
+    """A module-level constant of tests/tolerances.py, read from its source (the tools do not
+    import the tests): the tolerances the parity tests assert with and the pages quote."""
+    import ast
+    for node in ast.parse((ROOT / "tests" / "tolerances.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"tests/tolerances.py no longer defines {name}")
+
+
+def _sci(x: float) -> str:
+    """1e-05 -> '1e-5', as the pages write it."""
+    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m.group(1) == '-' else ''}{m.group(2)}", f"{x:.0e}")
+
+
+_WORDS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
 def _test_seconds(path: str) -> str:
     """The README's test-times table: a test file's seconds in the last full run."""
     return f"{_num(_cell('test-times', path, 'seconds')):.1f} s"
@@ -618,6 +636,14 @@ VALUES.update({
     # the one-GPU check: the traced peak under the allocator's, for the runs that held their own memory only
     "gpu.trace-under-allocator": lambda: _span([(1 - _gpu_run(n)["traced_peak_bytes"] / _gpu_run(n)["allocator_peak_bytes"])
                                                 * 100 for n in _OWN_MEMORY_RUNS], "{:.1f}", "%"),
+    # the tolerances the tests assert with (tests/tolerances.py)
+    "test.parity-rtol": lambda: _sci(_tolerance("PARITY_RTOL")),
+    "test.tight-rtol": lambda: _sci(_tolerance("TIGHT_RTOL")),
+    "test.weight-in": lambda: f"{round(1 / _tolerance('WEIGHT_FRACTION')):,}",
+    "test.weight-atol": lambda: _sci(_tolerance("WEIGHT_ATOL")),
+    "test.allocator": lambda: f"{_tolerance('ALLOCATOR_RTOL'):.0%}",
+    "test.bf16-gaps": lambda: _WORDS[_tolerance("BF16_GAPS")],
+    "test.dry-other": lambda: f"{_tolerance('DRY_OTHER_FEWER'):.0%}",
     # the README's test-times table: a test file's time in the last full run
     "test-times.ep": lambda: _test_seconds("tests/test_ep.py"),
     "test-times.model-parallel": lambda: _test_seconds("tests/test_model_parallel.py"),

@@ -789,7 +789,7 @@ def gpu_1b_comparison() -> str:
 
 
 # torchtitan's Llama 3.1 8B on 8 H100s (96 GB): FSDP, local batch 2 x 8192, selective AC (its per-op
-# policy), bf16; the max reserved memory it logs (docs/performance.md), GiB.
+# policy), bf16; the max reserved memory it logs (benchmarks/llama3_h100_202412_torchtitan.md), GiB.
 TORCHTITAN_8B_GIB = {"eager": 82.4, "compiled": 77.0}
 TORCHTITAN_8B = ["--model", "8b", "--vocab-size", "128256", "--world-size", "8", "--strategy", "fsdp", "--batch",
                  "16", "--seq-len", "8192", "--dtype", "bf16", "--device", "cuda"]

@@ -96,6 +96,7 @@ HEADROOM_GIB = 4         # what the gate keeps back: each process's CUDA context
 TAIL_CHARS = 6000        # of each command's output, in gpu_pass.json (the tarball keeps LOG_BYTES)
 PARTS = "figs/gpu_check_parts"  # where, in its tree, each gpu_check launch writes its report
 CARRY = ROOT / ".carry"  # wheels the lent machine lacks (it reaches no registry): carried with the tree
+NOT_UNPACKED = {"test", "tests", "benchmarks"}  # a wheel's own test folders: they would shadow the stdlib's
 GEN_RUN = "runs/gpu_pass/generate"
 
 
@@ -104,19 +105,21 @@ def unpack_carried(into: Path, env: dict, carry: Path = CARRY) -> list[str]:
     ``into`` and put first on ``env``'s PYTHONPATH, for the streams' processes; the wheels'
     names, each with what was done. The lent machine reaches no registry, so pip cannot
     install there; a wheel is a zip whose top-level folders import as they are (torchao's
-    float8 is Python over torch's own float8 matmul: its compiled extras, built for another
-    torch, are skipped by torchao itself)."""
+    float8 is Python over torch's own float8 matmul; torchao tries to load its compiled
+    extras and only warns where they do not fit this torch). A wheel's own test folders
+    (torchao ships a top-level ``test`` package) are left out: first on the path, they would
+    shadow the standard library's."""
     import importlib.util
     import zipfile
     done = []
     for wheel in sorted(carry.glob("*.whl")) if carry.is_dir() else []:
         with zipfile.ZipFile(wheel) as z:
-            tops = sorted({n.split("/", 1)[0] for n in z.namelist() if "/" in n} - {""})
+            tops = sorted({n.split("/", 1)[0] for n in z.namelist() if "/" in n} - {""} - NOT_UNPACKED)
             packages = [t for t in tops if not t.endswith((".dist-info", ".data"))]
             if packages and all(importlib.util.find_spec(t) is not None for t in packages):
                 done.append(f"{wheel.name}: already importable here, not unpacked")
                 continue
-            z.extractall(into)
+            z.extractall(into, [n for n in z.namelist() if n.split("/", 1)[0] in tops])
         done.append(f"{wheel.name}: unpacked ({', '.join(packages)})")
     if any(d.endswith(")") for d in done):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(into), env.get("PYTHONPATH")]))

@@ -592,7 +592,8 @@ def problems(case: Case, result: dict, limit_s: float) -> list[str]:
 
 def markdown_table() -> str:
     """The troubleshooting table of step4_multi_node/README.md."""
-    lines = ["| what was tried | what you see (one line on stderr, exit code 2) | what to do |", "|---|---|---|"]
+    lines = ["| what was tried | what you see (one line on stderr; the script exits 2, torchrun 1) | what to do |",
+             "|---|---|---|"]
     for case in CASES.values():
         says = case.says.replace("|", "\\|")
         lines.append(f"| {case.did} | `...{says}...` | {case.fix} |")

@@ -533,7 +533,7 @@ def calibration_text(c: dict) -> str:
 
 # ---- torchtitan's published runs, predicted ------------------------------------------------------
 # Llama 3.1 8B (128256-token vocabulary), sequence 8192 unless stated, on torchtitan's H100s
-# (GPUS["torchtitan"]). Tables 1-3: docs/performance.md in the torchtitan repository. The FSDP 8 x
+# (GPUS["torchtitan"]). Tables 1-3: benchmarks/llama3_h100_202412_torchtitan.md in the torchtitan repository. The FSDP 8 x
 # TP 8 row: benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md there, which publishes its
 # settings beside the number: FSDP=8, TP=8, torch.compile, per-op SAC, local batch size 12 (per
 # data-parallel rank); torchtitan's TP shards the norms along the sequence (sequence parallelism).
@@ -582,7 +582,7 @@ def torchtitan_rows() -> list[dict]:
 
 def torchtitan_text(rows: list[dict] | None = None) -> str:
     m = GPUS["torchtitan"]
-    lines = [f"torchtitan's Llama 3.1 8B runs (in the torchtitan repository: docs/performance.md's tables, and "
+    lines = [f"torchtitan's Llama 3.1 8B runs (in the torchtitan repository: benchmarks/llama3_h100_202412_torchtitan.md's tables, and "
              f"benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md for FSDP 8 x TP 8) on {m.name}: matmuls at "
              f"{m.matmul_rate('bf16') / 1e12:.0f} TFLOP/s eager, {m.matmul_rate('bf16', True) / 1e12:.0f} compiled "
              f"(the fractions of 989 our 1b model reached on an H200: figs/gpu_check_h200.md), HBM {m.hbm / 1e12:.1f} TB/s, NVLink {m.intra.bandwidth / 1e9:.0f} "

@@ -107,13 +107,13 @@ GPUS: dict[str, Machine] = {
     "a100": Machine("A100 SXM 80GB", {"bf16": 312e12, "fp32": 19.5e12}, ACHIEVED, 2.0e12, 80.0,
                     Link(300e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 3: 300 GB/s each way, x0.8"), IB_NDR,
                     source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
-    # torchtitan's benchmark machine (docs/performance.md, Grand Teton): H100s with 96 GB HBM2e at
+    # torchtitan's benchmark machine (benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton): H100s with 96 GB HBM2e at
     # 2.4 TB/s, a 500 W power limit, NVLink inside a host of 8, 400 Gb/s RDMA per GPU across hosts.
     # Its memory is counted like the 80 GB card's (96 x 79.65 / 80 = 95.6 GiB).
     "torchtitan": Machine("H100 96GB HBM2e, 500 W (torchtitan's)", {"bf16": 989e12, "fp32": 67e12},
                           ACHIEVED, 2.4e12, 95.6,
                           Link(450e9 * NVLINK_FRACTION, NVLINK_LATENCY, "NVLink 4: 450 GB/s each way, x0.8"),
-                          IB_NDR, source="torchtitan docs/performance.md"),
+                          IB_NDR, source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md"),
 }
 
 

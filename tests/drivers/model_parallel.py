@@ -27,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import cli  # noqa: E402
 from common.data import Batches, load_corpus  # noqa: E402
 from common.model import build_model  # noqa: E402
+from tests.tolerances import WEIGHT_ATOL  # noqa: E402
 from tools.multirun import run_script  # noqa: E402
 from common.training import adamw, clip_grad_norm, evaluate, lr_schedule  # noqa: E402
 
@@ -161,7 +162,7 @@ def main():
                 res["weight_keys_match"] = sorted(got) == sorted(ref["state"])
                 diffs = [(got[k] - ref["state"][k]).abs() for k in ref["state"] if k in got]
                 res["weight_max_abs_diff"] = max(d.max().item() for d in diffs)
-                res["weight_n_over_1e-6"] = sum(int((d > 1e-6).sum()) for d in diffs)
+                res["weight_n_over_atol"] = sum(int((d > WEIGHT_ATOL).sum()) for d in diffs)
                 res["weight_numel"] = sum(d.numel() for d in diffs)
                 res["weight_largest_bytes"] = max(t.numel() * t.element_size() for t in got.values())
         results[case["name"]] = res
