@@ -202,7 +202,7 @@ class Checkpointer(StopSignals):
                 "parallel": self.parallel, "global_batch_size": self.args.global_batch_size,
                 "seq_len": self.args.seq_len, "seed": self.args.seed, "data": self.args.data,
                 "data_id": getattr(self.args, "data_id", None),
-                "lr": self.args.lr, "warmup_steps": self.args.warmup_steps,
+                "lr": self.args.lr, "warmup_steps": self.args.warmup_steps, "steps": self.args.steps,
                 "grad_accum": getattr(self.args, "grad_accum", 1), "doc_mask": getattr(self.args, "doc_mask", False),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "data_position": self.batches.state_dict() if self.batches else None}
@@ -359,6 +359,7 @@ class Checkpointer(StopSignals):
             # optimizer only learns the lr at its next step). Set it from the schedule.
             for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
+            self._say_new_schedule(meta)
         if self.batches and meta["data_position"]:
             self.batches.load_state_dict(meta["data_position"])
         rng = path / f"rng_rank{self.ctx.rank}.pt"
@@ -373,6 +374,18 @@ class Checkpointer(StopSignals):
             self.ctx.print(f"step {meta['step']} is the last of --steps {self.args.steps}: the run was stopped after "
                            f"its last checkpoint, before its outputs; writing them now (nothing to train).")
         return meta["step"] + 1
+
+    def _say_new_schedule(self, meta: dict):
+        """A resume with another --steps is how a finished run continues, but the cosine decays
+        to --steps' last step: a new total reshapes the schedule from here on. Say how."""
+        before = meta.get("steps")  # (checkpoints written before the key was saved: unknown)
+        if before is None or before == self.args.steps or not getattr(self.scheduler, "lr_lambdas", None):
+            return
+        s = self.scheduler
+        now, then = s.get_last_lr()[0], s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch + 1)
+        self.ctx.print(f"--steps {self.args.steps} here, {before} in the checkpoint's run: the learning rate now "
+                       f"decays to step {self.args.steps - 1}, from {now:.3g} at step {meta['step'] + 1} to {then:.3g} "
+                       f"at step {meta['step'] + 2} (neither the {before}-step run nor a {self.args.steps}-step one).")
 
     def _outputs_missing(self) -> bool:
         """Whether the run in --out trained every step (metrics.jsonl has each one) but stopped

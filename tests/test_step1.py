@@ -195,6 +195,26 @@ def test_a_finished_run_is_moved_aside_not_overwritten(monkeypatch, tmp_path, ca
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("train@")]) == 3
 
 
+def test_a_resume_with_more_steps_says_how_the_schedule_changes(monkeypatch, tmp_path, capsys):
+    """Raising --steps continues a finished run, but the cosine decays to the new last step:
+    the resume says so, with the learning rates the run then logs."""
+    import re
+    out = ["--out", str(tmp_path / "run"), "--warmup-steps", "1", "--ckpt-every", "4"]
+    assert _main(monkeypatch, [*QUIET, "--steps", "4", *out])[0] == 0
+    capsys.readouterr()
+    assert _main(monkeypatch, [*QUIET, "--steps", "6", *out, "--resume"])[0] == 0
+    said = re.search(r"--steps 6 here, 4 in the checkpoint's run: the learning rate now decays to step 5, from "
+                     r"(\S+) at step 4 to (\S+) at step 5 \(neither the 4-step run nor a 6-step one\)\.",
+                     capsys.readouterr().out)
+    assert said, "the resume did not say how the schedule changed"
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert float(said[1]) == pytest.approx(logged[4], rel=1e-3) and float(said[2]) == pytest.approx(logged[5], rel=1e-3)
+    assert logged[5] > logged[4]  # the decay restarted from higher
+    capsys.readouterr()
+    assert _main(monkeypatch, [*QUIET, "--steps", "6", *out, "--resume"])[0] == 2  # (done: nothing left)
+    assert "--steps 6 here" not in capsys.readouterr().out
+
+
 def test_a_refused_run_leaves_no_empty_folder_behind(monkeypatch, tmp_path, capsys):
     """--out is made early (a folder that cannot be written is refused at once); a run refused
     after that removes the folders it made while they are still empty, and nothing else."""
