@@ -636,6 +636,10 @@ VALUES.update({
     # the one-GPU check: the traced peak under the allocator's, for the runs that held their own memory only
     "gpu.trace-under-allocator": lambda: _span([(1 - _gpu_run(n)["traced_peak_bytes"] / _gpu_run(n)["allocator_peak_bytes"])
                                                 * 100 for n in _OWN_MEMORY_RUNS], "{:.1f}", "%"),
+    # the comm lab: the hand-written ring against gloo's all-reduce (table-04-ring)
+    "ring.ratios": lambda: (lambda r: f"{min(r):.2f} to {max(r):.2f}")(
+        [_num(row["ring / library"]) for row in _rows("table-04-ring")]),
+    "ring.largest-ratio": lambda: f"{_num(_rows('table-04-ring')[-1]['ring / library']):.2f}",
     # the tolerances the tests assert with (tests/tolerances.py)
     "test.parity-rtol": lambda: _sci(_tolerance("PARITY_RTOL")),
     "test.tight-rtol": lambda: _sci(_tolerance("TIGHT_RTOL")),
