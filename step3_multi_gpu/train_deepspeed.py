@@ -5,7 +5,8 @@ train_fsdp.py). DeepSpeed is not in requirements.txt: pip install deepspeed==0.1
 DeepSpeed does the data-parallel work inside its engine: ``deepspeed.initialize`` takes
 the plain model and our AdamW and returns an engine whose ``backward`` averages the
 gradients over the ranks (all-reduce; reduce-scatter at stage 3) and whose ``step`` clips,
-updates this rank's partition and all-gathers the parameters again. On a CPU it runs with DS_ACCELERATOR=cpu
+updates this rank's partition and, at stages 1 and 2, all-gathers the parameters again (stage 3 gathers
+them in the next forward). On a CPU it runs with DS_ACCELERATOR=cpu
 (set here) over gloo, in fp32 only: in bf16 both keep fp32 master weights but round in
 different places (DeepSpeed reduces bf16 gradients in bf16, our FSDP policy in fp32), so
 only fp32 compares loss for loss.

@@ -6,7 +6,7 @@
 Every run sees the same number of tokens (the budget of ``--steps`` steps at
 ``--global-batch-size``): the baseline, then k times the batch for 1/k of the steps with
 the peak learning rate kept, multiplied by k (the linear rule, derived for SGD: k small
-steps of lr ~ one step of k lr on the summed gradient), or by sqrt(k) (the rule argued
+steps of lr ~ one step of k lr on the mean gradient of k times the batch), or by sqrt(k) (the rule argued
 for adaptive optimizers such as Adam, whose update size does not grow with the gradient's
 scale but whose gradient noise shrinks as 1/sqrt(k)); each with the baseline's warm-up
 (in tokens: 1/k as many steps) and with none. The script is step2_memory/train_amp.py
@@ -61,7 +61,7 @@ def run_one(r: dict, rest: list[str], out: Path) -> dict:
 
 
 def table(results: list[dict], k: int) -> str:
-    lines = [f"| run | batch | steps | peak lr | warm-up steps | final training loss | validation loss |",
+    lines = ["| run | batch | steps | peak lr | warm-up steps | final training loss | validation loss |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         val = "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}"
