@@ -255,7 +255,7 @@ def _check_it_can_fit(args):
 # ---- the memory savers: chapter 2 teaches them, every later script keeps them -------------
 # Each lesson adds its own flags, so a script never accepts a flag that it would ignore.
 # One vocabulary everywhere: the same names and meanings in step 2 and step 3; only the
-# defaults differ, each chapter's being its lesson (step 2b: full AC) or, in step 3, what a
+# defaults differ, each chapter's being its lesson (step 2.2: full AC) or, in step 3, what a
 # GPU user trains with (bf16, no AC, one micro-batch).
 def add_amp_flags(p: argparse.ArgumentParser, default: str = "bf16", fp16: bool = True) -> None:
     g = p.add_argument_group("mixed precision, and two speed-ups that save no memory")

@@ -207,13 +207,15 @@ def amp_unsupported(device: torch.device, amp: str) -> str | None:
     """Why ``--amp`` cannot run on ``device`` (one sentence), or None if it can."""
     # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses (both branches)
     if amp == "fp16" and device.type != "cuda":
-        # PyTorch can autocast to fp16 on a CPU, but without fp16 arithmetic units it
-        # emulates it: measured here, an fp16 matmul ran 2.3x slower than fp32, and bf16
-        # 2.4x faster. fp16 with loss scaling is a GPU recipe.
-        return ("--amp fp16 needs a CUDA GPU (a CPU emulates fp16 arithmetic, slower than fp32); "
-                "use --amp bf16, which needs no loss scaling, or --amp off.")
-    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses
-    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        # PyTorch can autocast to fp16 on a CPU, but most CPUs have no fp16 arithmetic (it
+        # is emulated), and a CPU with bf16 units needs no loss scaler for bf16: fp16 with
+        # loss scaling is a GPU recipe.
+        return ("--amp fp16 needs a CUDA GPU (fp16 with loss scaling is a GPU recipe; most CPUs have no fp16 "
+                "arithmetic); use --amp bf16, which needs no loss scaling, or --amp off.")
+    # CUDA path: tests/test_cuda_paths.py::test_what_an_older_gpu_refuses. Without
+    # including_emulation=False PyTorch answers True on a V100 or T4, where it emulates bf16
+    # (slowly): the refusal would never fire where it is meant to.
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return (f"--amp bf16: {torch.cuda.get_device_name(device)} has no bf16 support (it needs an "
                 f"Ampere or newer GPU); use --amp fp16, which adds loss scaling.")
     return None

@@ -36,7 +36,7 @@ _CH2_LABELS = {"02_baseline": "fp32 baseline (step 1)", "02_amp": "AMP bf16", "0
                "02_amp_ac": "AMP + full AC", "02_accum_fp32": "fp32, 4 micro-batches",
                "02_amp_ac_accum": "AMP + full AC + 4 micro-batches"}
 
-# ---- float8 (step 2d) ----------------------------------------------------------------------
+# ---- float8 (step 2.6) ----------------------------------------------------------------------
 # float8 beside a bf16 run of its own, so that --only 02_float8 redoes both.
 FLOAT8 = [
     Run("02_float8/bf16", "step2_memory/train_amp.py", _CH2 + ["--amp", "bf16"], job="02_float8"),
@@ -145,7 +145,7 @@ def _allocator_peak(m: dict) -> str:
 
 
 def float8_table(suffix: str = "") -> dict[str, str]:
-    """Step 2d: float8 beside bf16, same model, batch and steps: the losses, the memory at
+    """Step 2.6: float8 beside bf16, same model, batch and steps: the losses, the memory at
     the peak against the bf16 prediction, and the (CPU-emulated) step time."""
     rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
             "activations (predicted for bf16) | other | peak | allocator's peak | step time |", "|" + "---|" * 12]

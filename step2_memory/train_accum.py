@@ -1,4 +1,4 @@
-"""Step 2c: gradient accumulation on top of AMP and AC. train_amp_ac.py plus a loop.
+"""Step 2.3: gradient accumulation on top of AMP and AC. train_amp_ac.py plus a loop.
 
 Each global batch is split into K micro-batches; each gets its own forward and backward,
 the gradients add up in p.grad, and the optimizer steps once. Activations are those of a

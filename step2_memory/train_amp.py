@@ -1,4 +1,4 @@
-"""Step 2a: automatic mixed precision (AMP). Step 1 plus an autocast region.
+"""Step 2.1: automatic mixed precision (AMP). Step 1 plus an autocast region.
 
 Under ``torch.autocast`` matrix multiplies run in bf16 and the activations they produce
 (and autograd keeps for backward) are bf16: 2 bytes instead of 4. The weights, their

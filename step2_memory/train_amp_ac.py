@@ -1,4 +1,4 @@
-"""Step 2b: activation checkpointing (AC) on top of AMP. train_amp.py plus one call.
+"""Step 2.2: activation checkpointing (AC) on top of AMP. train_amp.py plus one call.
 
 A checkpointed block keeps only its input for backward and runs its forward a second time
 in backward to rebuild the rest: activations shrink from every block's intermediates to

@@ -1,4 +1,4 @@
-"""Step 2d: float8 training with torchao. Step 2a (bf16 autocast) plus one conversion.
+"""Step 2.6: float8 training with torchao. Step 2.1 (bf16 autocast) plus one conversion.
 
 ``convert_float8`` swaps the model's Linear layers for torchao's ``Float8Linear``: every
 matmul of forward and backward casts both operands to float8 with a per-tensor scale from

@@ -137,7 +137,8 @@ def test_what_an_older_gpu_refuses(monkeypatch):
     from common.training import amp_unsupported, compile_unsupported
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # as PyTorch answers on a V100: bf16 "supported" by emulation, not by the hardware
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-16GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
     assert amp_unsupported(gpu, "bf16") == ("--amp bf16: Tesla V100-SXM2-16GB has no bf16 support (it needs an "

@@ -1,4 +1,4 @@
-"""Step 2d: float8 training with torchao. The forward and backward of Float8Linear run on
+"""Step 2.6: float8 training with torchao. The forward and backward of Float8Linear run on
 the CPU (emulated: correct, a few times slower than bf16), so what float8 does to the loss is tested here; its
 speed needs an H100 and is not.
 

@@ -254,8 +254,8 @@ def test_bf16_activations_are_smaller_and_training_agrees(traced):
 def test_fp16_scaler_skips_an_overflowing_step_and_carries_on(monkeypatch, tmp_path):
     """The GradScaler recipe of train_amp.py under an injected gradient overflow.
 
-    The script refuses fp16 on a CPU because it is slow there, not because it fails:
-    PyTorch emulates fp16 arithmetic and has a CPU GradScaler, so lifting the refusal lets
+    The script refuses fp16 on a CPU as a GPU recipe, not because it fails: PyTorch can
+    autocast to fp16 there and has a CPU GradScaler, so lifting the refusal lets
     the very lines a GPU runs be tested here.
     """
     amp = _script("train_amp")
@@ -382,7 +382,8 @@ MISUSE = [
     ("train_accum", ["--grad-accum", "3"],
      "error: --grad-accum 3 does not split --global-batch-size 4 into equal micro-batches; use a divisor of 4."),
     ("train_amp", ["--amp", "fp16"],
-     "error: --amp fp16 needs a CUDA GPU (a CPU emulates fp16 arithmetic, slower than fp32); "
+     "error: --amp fp16 needs a CUDA GPU (fp16 with loss scaling is a GPU recipe; most CPUs have no fp16 "
+     "arithmetic); "
      "use --amp bf16, which needs no loss scaling, or --amp off."),
     ("train_amp_ac", ["--ac", "sometimes"], "error: unknown --ac mode 'sometimes'; choose one of none, full, selective, selective-op."),
     ("train_amp_ac", ["--ac", "full", "--ac-every", "0"], "error: --ac-every must be positive (got 0)."),
@@ -557,7 +558,7 @@ def test_speed_variants_compile_what_they_name_and_report_each_row(capsys, monke
         bv.prepare(build_model(cfg, "cpu", seed=0), bv.BY_NAME[name])
         assert compiled == want, name
     assert bv.BY_NAME["fused"].fused and not bv.BY_NAME["blocks"].fused
-    # float8: step 2d's conversion first, then the whole model compiled (the casts in its graph)
+    # float8: step 2.6's conversion first, then the whole model compiled (the casts in its graph)
     compiled.clear()
     model = build_model(cfg, "cpu", seed=0)
     bv.prepare(model, bv.BY_NAME["float8"])

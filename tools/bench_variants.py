@@ -21,7 +21,7 @@ what step 3's scripts do with ``--compile``:
   replayed as CUDA graphs: no launch cost; CUDA only);
 - ``autotune``: blocks compiled with ``mode="max-autotune-no-cudagraphs"`` (Inductor tries
   several matmul and fusion kernels and keeps the fastest; compiling takes longest);
-- ``float8``: ``model`` with its Linear layers in float8 first (step 2d's conversion:
+- ``float8``: ``model`` with its Linear layers in float8 first (step 2.6's conversion:
   torchao's Float8Linear, tensorwise scales; the output layer stays bf16): compare it with
   ``model``, and at 1b, where the matmuls are wide enough to gain (on a CPU torchao
   emulates: a time of no meaning; a GPU before compute capability 8.9 has no float8

@@ -411,7 +411,7 @@ CASES: dict[str, Case] = {
                                 [S1, *T, "--model", "debug-moe", "--aux-loss-weight", "-1"],
                                 "--aux-loss-weight must be 0 or a positive number (got -1.0)", "--aux-loss-weight",
                                 "0 (no balancing) or a small weight such as 0.01"),
-    # ---- float8 (step 2d) and DeepSpeed beside our ZeRO
+    # ---- float8 (step 2.6) and DeepSpeed beside our ZeRO
     "float8 fp16": Case("`train_float8.py --amp fp16`", [S2 + "train_float8.py", *T, "--amp", "fp16"],
                         "--amp fp16 is not offered with float8", "--amp", "--amp bf16, the default"),
     "float8 fsdp gloo": Case("`train_fsdp.py --float8` on gloo (CPU)", [S3 + "train_fsdp.py", *T, "--float8"],

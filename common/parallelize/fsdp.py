@@ -37,7 +37,7 @@ def add_fsdp_flags(p: argparse.ArgumentParser) -> None:
                         "gathered only around their own forward and backward (default: both in the root unit, "
                         "gathered all step)")
     p.add_argument("--float8", action="store_true",
-                   help="float8 matmuls (torchao, step 2d) and float8 all-gather of the weights: NCCL on "
+                   help="float8 matmuls (torchao, step 2.6) and float8 all-gather of the weights: NCCL on "
                         "H100-class GPUs only")
 
 
