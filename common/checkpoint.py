@@ -383,9 +383,13 @@ class Checkpointer(StopSignals):
             return
         s = self.scheduler
         now, then = s.get_last_lr()[0], s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch + 1)
+        if meta["step"] + 1 <= self.args.warmup_steps:  # every step so far was warm-up, alike in both
+            how = f"every step so far was warm-up: the run continues as a {self.args.steps}-step run would"
+        else:
+            how = f"neither the {before}-step run nor a {self.args.steps}-step one"
         self.ctx.print(f"--steps {self.args.steps} here, {before} in the checkpoint's run: the learning rate now "
                        f"decays to step {self.args.steps - 1}, from {now:.3g} at step {meta['step'] + 1} to {then:.3g} "
-                       f"at step {meta['step'] + 2} (neither the {before}-step run nor a {self.args.steps}-step one).")
+                       f"at step {meta['step'] + 2} ({how}).")
 
     def _outputs_missing(self) -> bool:
         """Whether the run in --out trained every step (metrics.jsonl has each one) but stopped
@@ -457,7 +461,7 @@ class Checkpointer(StopSignals):
                             f"checkpoint, so nothing was saved and the {step + 1} steps trained are lost; run it "
                             f"again from the start.")
         if self.saves_at(step) or (stop and not last):
-            with self.saving():  # (the stuck-rank watch waits for a save, however long)
+            with self.busy():  # (the stuck-rank watch waits for a save, however long)
                 path = self.save(step, blocking=stop and not last)  # a preempted run must not leave mid-write
             self.mark_progress()
             if stop and not last:

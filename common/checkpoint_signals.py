@@ -54,7 +54,7 @@ CTRL_C_PATIENCE_S = 20.0  # at most, after a Ctrl-C, for a step to end: torchrun
 class StopSignals:
     """The preemption half of Checkpointer (see the module notes)."""
 
-    _saving = False  # a checkpoint is being written: the watch below waits for it (``saving``)
+    _saving = False  # a save, an evaluation or the run's outputs are under way: the watch waits (``busy``)
 
     # ---- preemption ---------------------------------------------------------------------
     def listen(self):
@@ -90,11 +90,13 @@ class StopSignals:
         self._watch.start()
 
     @contextlib.contextmanager
-    def saving(self):
-        """Around a save: the stuck-rank watch waits for it however long it takes. A run's
-        first checkpoint of a large model can take longer than any step seen, and a save a
-        signal asked for is the point of the signal; torchrun's shutdown timeout still ends
-        a save that hangs (a peer gone mid-save)."""
+    def busy(self):
+        """Around a save, a held-out evaluation or the run's outputs (the last validation,
+        --save-weights' gather, the figure and summary): the stuck-rank watch waits for it
+        however long it takes. A run's first checkpoint of a large model, a long evaluation or
+        a large gather can take longer than any step seen, and a save a signal asked for is
+        the point of the signal; torchrun's shutdown timeout still ends one that hangs (a peer
+        gone mid-way)."""
         self._saving = True
         try:
             yield
@@ -115,7 +117,7 @@ class StopSignals:
         CTRL_C_PATIENCE_S, so that the rank says why it stopped before torchrun kills it."""
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         while not self._closed.wait(0.2):
-            if self._saving:  # (its end marks progress)
+            if self._saving:  # a save, evaluation or the outputs (a save's end marks progress)
                 continue
             idle, patience = time.monotonic() - self._progress, max(10.0, 3 * self._longest)
             if signum == signal.SIGINT:

@@ -127,9 +127,16 @@ def _restart_store(timeout: timedelta):
     restarted ranks find the dead attempt's keys there (gloo: the old ranks' addresses,
     "Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt gives
     each attempt its own keys. None on the first attempt: the default path is used.
+
+    Only where the workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE, torchrun's
+    default): with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each attempt's rank 0 hosts a fresh
+    store at MASTER_PORT, which needs no prefix and which every rank connecting as a client
+    would leave unhosted. That is the setting for several nodes (train.slurm sets it): the
+    prefix comes from each node's own TORCHELASTIC_RESTART_COUNT, and torchrun does not
+    count a restart caused by another node's failure, so nodes could disagree on it.
     """
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+    if attempt == 0 or "MASTER_ADDR" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
                           timeout=timeout)
@@ -215,9 +222,11 @@ def distributed(device: str = "auto", backend: str | None = None, timeout_s: flo
                         for dim in range(mesh.ndim):
                             dist.barrier(group=mesh.get_group(dim))
                     dist.barrier()
+                _stop_answering()
                 _keep_until_released()
                 dist.destroy_process_group()
             else:
+                _stop_answering()
                 _keep_until_released()
                 _drop_after_error(backend)
 
@@ -354,14 +363,16 @@ def _exit_with_launcher(rank: int, every_s: float = 1.0):
 # raises nothing in Python: NCCL's watchdog ends the process and writes each rank's recorder
 # to a file; step4_multi_node/README.md says how to read those.)
 HANG: dict = {"culprit": ""}
-_answering: set[int] = set()
+_answering: dict[int, threading.Thread] = {}
 
 
 def _hang_store():
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    """The job's store, under a key prefix of this attempt's: the agent's store outlives a
+    restart (a prefix per restart count); a fresh store per attempt needs none."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
                           timeout=timedelta(seconds=10))
-    return dist.PrefixStore(f"hang_{restart}", store)
+    return dist.PrefixStore(f"hang_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}" if shared else "hang", store)
 
 
 def last_collective() -> dict | None:
@@ -389,23 +400,36 @@ def last_collective() -> dict | None:
 def _answer_hang_questions(rank: int):
     if rank in _answering or "MASTER_ADDR" not in os.environ:
         return
-    _answering.add(rank)
-
     def answer():
         try:
             store = _hang_store()
             while True:
                 try:
-                    store.wait(["question"], timedelta(hours=1))
+                    store.wait([f"wake_{rank}"], timedelta(hours=1))
                     break
                 except Exception as e:  # noqa: BLE001 - an hour without a question: wait on
                     if "timeout" not in str(e).lower():
                         return  # the store is gone: the job is over
+            if store.get(f"wake_{rank}") == b"stop":
+                return  # the run is over (_stop_answering)
             store.set(f"rank_{rank}", json.dumps(last_collective()))
         except Exception:  # noqa: BLE001 - a helper for a failure report must never fail a run
             return
 
-    threading.Thread(target=answer, name="hang-answers", daemon=True).start()
+    thread = threading.Thread(target=answer, name="hang-answers", daemon=True)
+    thread.start()
+    _answering[rank] = thread
+
+
+def _stop_answering():
+    """End this rank's answering thread before the process group and its store go: where rank
+    0 hosts the store itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a thread still waiting in
+    it at exit aborted the process ("terminate called without an active exception")."""
+    for rank, thread in _answering.items():
+        with contextlib.suppress(Exception):  # (the store may be gone already: so is the wait)
+            _hang_store().set(f"wake_{rank}", "stop")
+        thread.join(timeout=5)
+    _answering.clear()
 
 
 def _describe(c: dict | None) -> str:
@@ -420,7 +444,9 @@ def name_the_stuck_rank(rank: int, world: int, wait_s: float = 8.0) -> str:
     try:
         mine = last_collective()
         store = _hang_store()
-        store.set("question", "1")
+        for r in range(world):  # wake every rank's answering thread
+            if r != rank:
+                store.set(f"wake_{r}", "1")
         answers, deadline = {rank: mine}, time.time() + wait_s
         while len(answers) < world and time.time() < deadline:
             for r in range(world):

@@ -200,7 +200,8 @@ class Run:
         """The held-out loss after this step, every --eval-every steps and after the last:
         logged with this step, its time and memory counted in no step."""
         if self.evaluates(step):
-            self._check(self.metrics.evaluated(step, self._validate))
+            with self.ckpt.busy():  # (after a signal the stuck-rank watch waits for it)
+                self._check(self.metrics.evaluated(step, self._validate))
 
     def save_if_due(self, step: int):
         """A checkpoint of this step with --ckpt-every; on a stop signal (SIGTERM/SIGUSR1 seen by
@@ -229,7 +230,12 @@ class Run:
         """Measure the validation loss, draw the memory figure, write summary.json, print
         prediction and bytes (rank 0); with --save-weights, gather the weights into OUT/weights.pt."""
         a, ctx = self.args, self.ctx
-        self.ckpt.mark_progress()  # (a signal's watch on stuck steps counts the outputs' time from here)
+        self.ckpt.mark_progress()
+        with self.ckpt.busy():  # (after a signal the stuck-rank watch waits for the outputs, however long)
+            return self._finish(extra)
+
+    def _finish(self, extra: dict) -> dict | None:
+        a, ctx = self.args, self.ctx
         self.ckpt.wait()  # --ckpt-async: the last checkpoint is written and declared before the run ends
         if self.ckpt.staging_bytes:
             # host memory, per rank (rank 0's), and how long each background write took

@@ -57,27 +57,33 @@ def lock_out(args, ctx) -> Path | None:
     """One live run per --out: two runs writing into one folder would mix their metrics and
     overwrite each other's checkpoints. Rank 0 writes ``<out>/.run.lock`` (its pid and host)
     and every rank gets its verdict. A lock whose process is gone (a killed run) is stale and
-    taken over; so is one of this very process (a harness running several scripts). A
-    finished run found there is moved aside first (``keep_finished_run``)."""
+    taken over; so is one of this very process (a harness running several scripts), and one
+    of an earlier run of this Slurm job on another host (a requeued job keeps its
+    SLURM_JOB_ID and starts only once its earlier run has ended, perhaps on other nodes,
+    where no pid can be checked). A finished run found there is moved aside first
+    (``keep_finished_run``)."""
     verdict, path = None, Path(args.out) / LOCK
     if ctx.is_main and not path.exists():
         keep_finished_run(args, ctx)
     if ctx.is_main:
         host = socket.gethostname()
+        job = os.environ.get("SLURM_JOB_ID", "")
         try:
-            pid, owner = path.read_text().split()[:2]
-            pid = int(pid)
+            pid, owner, *rest = path.read_text().split()
+            pid, owner_job = int(pid), (rest[0] if rest else "")
         except (OSError, ValueError):
-            pid, owner = None, None
+            pid, owner, owner_job = None, None, ""
         if pid is not None and pid != os.getpid():
-            if owner != host:
+            if owner != host and job and owner_job == job:
+                pass  # this Slurm job's earlier run, requeued onto other nodes: it has ended
+            elif owner != host:
                 verdict = (f"--out {args.out} is locked by a run on {owner} (pid {pid}); give another --out, or "
                            f"delete {path} if that run is over.")
             elif _alive(pid):
                 verdict = (f"another run (pid {pid}) is writing into --out {args.out}; wait for it to end, or give "
                            f"this run another --out.")
         if verdict is None:
-            path.write_text(f"{os.getpid()} {host}\n")
+            path.write_text(f"{os.getpid()} {host} {job}".rstrip() + "\n")
             atexit.register(unlock_out, path)
     if dist.is_initialized() and ctx.has_peers:
         box = [verdict]

@@ -59,13 +59,16 @@ def _run(cmd, timeout=180):
 
 @pytest.fixture(scope="module")
 def step1_runs(tmp_path_factory):
-    """An uninterrupted run, and one that crashes at step 3 and is restarted by torchrun."""
+    """An uninterrupted run, and one that crashes at step 3 and is restarted by torchrun:
+    here with a fresh store for each attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as
+    train.slurm runs on several nodes; the DDP and FSDP restarts below share the agent's)."""
     tmp = tmp_path_factory.mktemp("ckpt")
     plain = launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    elastic = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                    "--max-restarts", "1", STEP1_SCRIPT, *STEP1_FLAGS, "--resume", "--fail-at-step", "3",
-                    "--out", str(tmp / "elastic")])
+    elastic = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                          "--max-restarts", "1", STEP1_SCRIPT, *STEP1_FLAGS, "--resume", "--fail-at-step", "3",
+                          "--out", str(tmp / "elastic")], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     out, err = plain.communicate(timeout=180)
     assert plain.returncode == 0, err[-2000:]
     return tmp, elastic
@@ -1010,10 +1013,24 @@ def test_the_stuck_rank_watch_waits_for_a_save_in_flight(monkeypatch):
 
     monkeypatch.setattr(checkpoint_signals.os, "_exit", fake_exit)
     watched = Watched()
-    with watched.saving():  # 100 s idle, but a save is in flight: the watch waits
+    with watched.busy():  # 100 s idle, but a save is in flight: the watch waits
         thread = threading.Thread(target=watched._give_up_if_stuck, args=(signal.SIGTERM,), daemon=True)
         thread.start()
         time.sleep(0.7)
         assert exits == [] and thread.is_alive()
     thread.join(5)  # the save ended with nothing marked since: stuck, so it stops
     assert exits == [128 + signal.SIGTERM] and not thread.is_alive()
+    # an evaluation and the run's outputs count as busy too (a long --eval-batches, or
+    # --save-weights' gather of a large model, cut a signalled run off before its save)
+    from common.run import Run
+    seen = []
+    run = Run.__new__(Run)
+    run.ckpt, run.evaluates = watched, lambda step: True
+    run.metrics = type("M", (), {"evaluated": lambda self, step, fn: seen.append(watched._saving) or []})()
+    run._validate = None
+    run.evaluate_if_due(3)
+    run._finish = lambda extra: seen.append(watched._saving)
+    watched.mark_progress = lambda: None
+    run.args, run.ctx = None, None
+    run.finish()
+    assert seen == [True, True] and not watched._saving

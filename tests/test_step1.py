@@ -168,6 +168,18 @@ def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
     lock.write_text(f"{dead.stdout.strip()} {socket.gethostname()}\n")  # a killed run's stale lock
     assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0
     assert not lock.exists()  # released at the end
+    # another host's lock: refused, unless it is this Slurm job's own earlier run (a requeue
+    # onto other nodes keeps SLURM_JOB_ID; the earlier run has ended)
+    out = ["--steps", "2", "--out", str(tmp_path / "b")]
+    (tmp_path / "b").mkdir()
+    for owner_job, job, code in [("", "", 2), ("41", "42", 2), ("42", "42", 0)]:
+        (tmp_path / "b" / ".run.lock").write_text(f"12345 node-a07 {owner_job}".rstrip() + "\n")
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        capsys.readouterr()
+        assert _main(monkeypatch, [*QUIET, *out])[0] == code, (owner_job, job)
+        if code:
+            assert "is locked by a run on node-a07 (pid 12345)" in capsys.readouterr().err
+    assert not (tmp_path / "b" / ".run.lock").exists()
 
 
 def test_a_finished_run_is_moved_aside_not_overwritten(monkeypatch, tmp_path, capsys):
@@ -213,6 +225,12 @@ def test_a_resume_with_more_steps_says_how_the_schedule_changes(monkeypatch, tmp
     capsys.readouterr()
     assert _main(monkeypatch, [*QUIET, "--steps", "6", *out, "--resume"])[0] == 2  # (done: nothing left)
     assert "--steps 6 here" not in capsys.readouterr().out
+    # a run still in its warm-up continues as the longer run would: it says that instead
+    warm = ["--out", str(tmp_path / "warm"), "--warmup-steps", "10", "--ckpt-every", "2"]
+    assert _main(monkeypatch, [*QUIET, "--steps", "2", *warm])[0] == 0
+    capsys.readouterr()
+    assert _main(monkeypatch, [*QUIET, "--steps", "4", *warm, "--resume"])[0] == 0
+    assert "(every step so far was warm-up: the run continues as a 4-step run would)." in capsys.readouterr().out
 
 
 def test_a_refused_run_leaves_no_empty_folder_behind(monkeypatch, tmp_path, capsys):
