@@ -313,7 +313,7 @@ def label(p: Plan) -> str:
     if p.strategy == "single":
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
-           "2d": f" dp={p.dp} x tp={p.tp}", "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}",
+           "2d": f" dp={p.dp} x tp={p.tp}" + (f" x pp={p.pp} m={p.microbatches or p.pp} {p.schedule}" if p.pp > 1 else ""), "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}",
            "ep": f" ep={p.ep or p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"

@@ -72,10 +72,14 @@ class Plan:
     @property
     def dp_kind(self) -> str:
         """How the data-parallel dimension treats the model state."""
-        if self.strategy in ("2d", "ep"):  # ep: experts split like FSDP's shards, but never gathered
+        if self.strategy == "2d":  # 3-D (train_3d.py) keeps each stage gathered: ZeRO-2 (reshard_after_forward=False)
+            return "fsdp_zero2" if self.pp > 1 else "fsdp_zero3"
+        if self.strategy == "ep":  # experts split like FSDP's shards, but never gathered
             return "fsdp_zero3"
         if self.strategy in ("tp", "pp"):
             return "ddp" if self.dp > 1 else "single"
+        if self.strategy == "fsdp_zero3" and self.pp > 1:  # FSDP with a pipeline: as train_3d.py keeps it
+            return "fsdp_zero2"
         return self.strategy
 
     def coords(self, rank: int) -> tuple[int, int, int]:

@@ -98,7 +98,10 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     """
     state_bytes = out["optimizer state"]
     grads_live = kind in ("ddp", "zero1") or plan.accum > 1 or plan.pp > 1
-    base = out["parameters"] + state_bytes + out["activations"] + (out["gradients"] if grads_live else 0)
+    # FSDP accumulating: the earlier micro-batches' gradients are unsharded (ACCUM_GRADS), and
+    # the sharded ones exist only from the last reduce-scatter on
+    accumulated = transient.get(ACCUM_GRADS, 0) or (out["gradients"] if grads_live else 0)
+    base = out["parameters"] + state_bytes + out["activations"] + accumulated
     base += sum(v for k, v in transient.items() if "FSDP" in k)
     cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
     rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
@@ -132,6 +135,7 @@ def offloaded_state(plan: Plan, shapes: dict, shard: int, index: int, out: dict)
 
 
 ROOT_REDUCE = "FSDP root unit's reduce-scatter"
+ACCUM_GRADS = "earlier micro-batches' gradients, unsharded (until the last reduce-scatter)"
 LOSS_BACKWARD = "the loss's backward"
 UNSHARDED_GRADS = "unsharded gradients (FSDP)"
 
@@ -260,6 +264,14 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         # a block's full gradients in the compute dtype and their fp32 copy in the
         # reduce-scatter buffer, alive together while FSDP reduces it (see _root_reduce)
         transient[UNSHARDED_GRADS] = (pbytes + 4) * block_n
+        if plan.accum > 1 or plan.pp > 1:
+            # --grad-accum (set_requires_gradient_sync(False) but for the last micro-batch) and a
+            # pipeline's micro-batches (the schedule does the same): FSDP keeps every unit's
+            # whole fp32 gradient from the first micro-batch's backward to the last one's
+            # reduce-scatter, 4 bytes a parameter of the rank's unsharded share, not 4/W; a
+            # block's new gradient adds into it, so only the reduce-scatter's fp32 copy is new
+            transient[ACCUM_GRADS] = 4 * sum(math.prod(s) for s in shapes.values())
+            transient[UNSHARDED_GRADS] = 4 * block_n
         # when the loss's backward runs, no block's gradient exists yet and one block is gathered
         # (backward's prefetch of the last), not two
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
