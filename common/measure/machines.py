@@ -74,8 +74,8 @@ class Machine:
 # measured one (fraction_from_step: the FLOPs step_time counts, causal attention halved, over the
 # time the step leaves after the model's other terms). Measured by tools/gpu_check.py on one H200
 # (torch 2.11), figs/gpu_check_h200.md: the 1b model, batch 4 x 2048, eager bf16 autocast
-# 154.7 ms a step (38.25% once the optimizer's 24 ms of HBM traffic, clipping and foreach AdamW
-# at 96 bytes a parameter, is taken out; the report's MFU column, 6N + 12LdT a token over the
+# 154.7 ms a step (38.25% once the model's other terms are taken out, among them the optimizer's
+# HBM traffic, clipping and foreach AdamW at 96 bytes a parameter: 19.5 ms at 4.8 TB/s; the report's MFU column, 6N + 12LdT a token over the
 # whole step, says 35.6%), with --compile 116.2 ms (53.48%; 47.4%), and in fp32 (no TF32:
 # PyTorch's default "highest" precision, which our scripts keep) 1,181.1 ms (65.72% of the 67
 # TFLOP/s fp32 rate; 68.8%): matmuls on the CUDA cores run nearer their peak than bf16's on the
