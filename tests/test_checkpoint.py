@@ -61,7 +61,8 @@ def _run(cmd, timeout=180):
 def step1_runs(tmp_path_factory):
     """An uninterrupted run, and one that crashes at step 3 and is restarted by torchrun:
     here with a fresh store for each attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as
-    train.slurm runs on several nodes; the DDP and FSDP restarts below share the agent's)."""
+    train.slurm runs on several nodes; so does the 2-rank pipeline job below, while the
+    elastic job's 2-rank restarts share the agent's store, torchrun's default)."""
     tmp = tmp_path_factory.mktemp("ckpt")
     plain = launch.Popen([sys.executable, STEP1_SCRIPT, *STEP1_FLAGS, "--out", str(tmp / "plain")], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -835,9 +836,12 @@ MP_PLAN = {
 def mp_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume_mp")
     t0 = time.perf_counter()
+    # a fresh store for each attempt, as train.slurm runs several nodes (the 2-rank restarts of
+    # the elastic job above share the agent's store, torchrun's default)
     r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "--max-restarts", "1", "tests/drivers/resume.py", str(folder), json.dumps(MP_PLAN)],
-                   cwd=ROOT, capture_output=True, text=True, timeout=120)
+                   cwd=ROOT, capture_output=True, text=True, timeout=120,
+                   env=dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("crashing on purpose") == 1, r.stdout[-3000:]
     res = {name: json.loads((folder / f"{name}.json").read_text()) for name in MP_PLAN}
