@@ -46,6 +46,7 @@ Checkpointer inherits), meta.json (checkpoint_meta.py), the state dict's layout-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -69,6 +70,10 @@ from common.checkpoint_meta import PARTIAL, complete_checkpoints, config_differe
 from common.checkpoint_signals import GO_ON, STOP_UNSAVED, StopSignals
 from common.checkpoint_state import _flatten_optim, _local_bytes, _stager, _unflatten_optim, _union, per_group
 from common.errors import Preempted, UserError
+
+# In --out, left by a resume refused for having nothing left to train: torchrun's restart of
+# that attempt (--max-restarts) refuses too, instead of rewriting a finished run's outputs
+NOTHING_LEFT = ".nothing_left_to_train"
 
 FAIL_HOW = ("exit", "sigterm", "sigusr1", "sigterm-torchrun")
 
@@ -341,8 +346,13 @@ class Checkpointer(StopSignals):
             dist.broadcast_object_list(box, src=0)
             self.finishing = box[0]
         if meta["step"] + 1 >= self.args.steps and not self.finishing:
+            if self.ctx.is_main:  # so that torchrun's restart of this refused attempt refuses too
+                with contextlib.suppress(OSError):
+                    (Path(self.args.out) / NOTHING_LEFT).write_text(f"{meta['step']}\n")
             raise UserError(f"checkpoint {path} is at step {meta['step']}, the last of --steps {self.args.steps} "
                             f"or past it: nothing is left to train; raise --steps to continue.")
+        if self.ctx.is_main:
+            (Path(self.args.out) / NOTHING_LEFT).unlink(missing_ok=True)
         state = self._state()
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -383,19 +393,24 @@ class Checkpointer(StopSignals):
             return
         s = self.scheduler
         now, then = s.get_last_lr()[0], s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch + 1)
+        rates = f"{now:.3g} at step {meta['step'] + 1}, {then:.3g} at step {meta['step'] + 2}"
         if meta["step"] + 1 <= self.args.warmup_steps:  # every step so far was warm-up, alike in both
-            how = f"every step so far was warm-up: the run continues as a {self.args.steps}-step run would"
+            self.ctx.print(f"--steps {self.args.steps} here, {before} in the checkpoint's run: every step so far was "
+                           f"warm-up, the same in both, so the run continues as a {self.args.steps}-step run would "
+                           f"({rates}).")
         else:
-            how = f"neither the {before}-step run nor a {self.args.steps}-step one"
-        self.ctx.print(f"--steps {self.args.steps} here, {before} in the checkpoint's run: the learning rate now "
-                       f"decays to step {self.args.steps - 1}, from {now:.3g} at step {meta['step'] + 1} to {then:.3g} "
-                       f"at step {meta['step'] + 2} ({how}).")
+            self.ctx.print(f"--steps {self.args.steps} here, {before} in the checkpoint's run: the learning rate now "
+                           f"decays to step {self.args.steps - 1}, from {now:.3g} at step {meta['step'] + 1} to "
+                           f"{then:.3g} at step {meta['step'] + 2} (neither the {before}-step run nor a "
+                           f"{self.args.steps}-step one).")
 
     def _outputs_missing(self) -> bool:
         """Whether the run in --out trained every step (metrics.jsonl has each one) but stopped
         before writing its outputs: summary.json, written last, is missing (a run that starts
         training removes an older one). A torchrun restart also finishes a run whose
-        summary.json is there: it may have died between that file and its exit."""
+        summary.json is there: it may have died between that file and its exit; but not a
+        restart of an attempt that was refused for having nothing left to train (a deliberate
+        --resume of a finished run under --max-restarts: it refuses again, the outputs kept)."""
         out = Path(self.args.out)
         try:
             lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -409,7 +424,7 @@ class Checkpointer(StopSignals):
                 continue  # a torn line: its step is not counted
         if not set(range(self.args.steps)) <= logged:
             return False
-        return self.restart > 0 or not (out / "summary.json").exists()
+        return (self.restart > 0 and not (out / NOTHING_LEFT).exists()) or not (out / "summary.json").exists()
 
     def _check_compatible(self, path: Path, meta: dict):
         """Refuse a checkpoint of another run, naming every setting that differs in one

@@ -427,7 +427,10 @@ def _stop_answering():
     it at exit aborted the process ("terminate called without an active exception")."""
     for rank, thread in _answering.items():
         with contextlib.suppress(Exception):  # (the store may be gone already: so is the wait)
-            _hang_store().set(f"wake_{rank}", "stop")
+            store = _hang_store()
+            store.set(f"wake_{rank}", "stop")
+            thread.join(timeout=5)
+            store.delete_key(f"wake_{rank}")  # a later run of the same job (a harness) waits afresh
         thread.join(timeout=5)
     _answering.clear()
 

@@ -202,6 +202,7 @@ class Run:
         if self.evaluates(step):
             with self.ckpt.busy():  # (after a signal the stuck-rank watch waits for it)
                 self._check(self.metrics.evaluated(step, self._validate))
+            self.ckpt.mark_progress()  # (and counts from its end, not from the step's)
 
     def save_if_due(self, step: int):
         """A checkpoint of this step with --ckpt-every; on a stop signal (SIGTERM/SIGUSR1 seen by

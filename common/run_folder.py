@@ -58,9 +58,10 @@ def lock_out(args, ctx) -> Path | None:
     overwrite each other's checkpoints. Rank 0 writes ``<out>/.run.lock`` (its pid and host)
     and every rank gets its verdict. A lock whose process is gone (a killed run) is stale and
     taken over; so is one of this very process (a harness running several scripts), and one
-    of an earlier run of this Slurm job on another host (a requeued job keeps its
-    SLURM_JOB_ID and starts only once its earlier run has ended, perhaps on other nodes,
-    where no pid can be checked). A finished run found there is moved aside first
+    of an earlier run of this Slurm job on another host: a requeued job keeps its
+    SLURM_JOB_ID, raises SLURM_RESTART_COUNT and starts only once its earlier run has ended,
+    perhaps on other nodes, where no pid can be checked (another run of the same allocation,
+    with the same count, is refused like any other). A finished run found there is moved aside first
     (``keep_finished_run``)."""
     verdict, path = None, Path(args.out) / LOCK
     if ctx.is_main and not path.exists():
@@ -68,13 +69,15 @@ def lock_out(args, ctx) -> Path | None:
     if ctx.is_main:
         host = socket.gethostname()
         job = os.environ.get("SLURM_JOB_ID", "")
+        requeues = os.environ.get("SLURM_RESTART_COUNT", "0")
         try:
             pid, owner, *rest = path.read_text().split()
             pid, owner_job = int(pid), (rest[0] if rest else "")
+            owner_requeues = int(rest[1]) if len(rest) > 1 else 0
         except (OSError, ValueError):
-            pid, owner, owner_job = None, None, ""
+            pid, owner, owner_job, owner_requeues = None, None, "", 0
         if pid is not None and pid != os.getpid():
-            if owner != host and job and owner_job == job:
+            if owner != host and job and owner_job == job and owner_requeues < int(requeues or 0):
                 pass  # this Slurm job's earlier run, requeued onto other nodes: it has ended
             elif owner != host:
                 verdict = (f"--out {args.out} is locked by a run on {owner} (pid {pid}); give another --out, or "
@@ -83,7 +86,7 @@ def lock_out(args, ctx) -> Path | None:
                 verdict = (f"another run (pid {pid}) is writing into --out {args.out}; wait for it to end, or give "
                            f"this run another --out.")
         if verdict is None:
-            path.write_text(f"{os.getpid()} {host} {job}".rstrip() + "\n")
+            path.write_text(f"{os.getpid()} {host}" + (f" {job} {requeues}" if job else "") + "\n")
             atexit.register(unlock_out, path)
     if dist.is_initialized() and ctx.has_peers:
         box = [verdict]

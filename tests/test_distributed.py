@@ -197,3 +197,17 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
         launch.run(["pkill", "-9", "-f", str(out)])
+
+
+def test_multirun_refuses_a_launch_without_the_shared_store(monkeypatch):
+    """tools/multirun.py runs several process groups on torchrun's shared store; with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (train.slurm's) rank 0 would host a store that closes
+    with its first group and every later group would wait 300 s: refused in one sentence."""
+    from common.errors import UserError
+    from tools import multirun
+    monkeypatch.setitem(multirun._state, "store", None)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 turns that off"):
+        multirun.allow_reinit()

@@ -169,14 +169,17 @@ def test_two_live_runs_cannot_share_an_out(monkeypatch, tmp_path, capsys):
     assert _main(monkeypatch, [*QUIET, "--steps", "2", "--out", str(tmp_path)])[0] == 0
     assert not lock.exists()  # released at the end
     # another host's lock: refused, unless it is this Slurm job's own earlier run (a requeue
-    # onto other nodes keeps SLURM_JOB_ID; the earlier run has ended)
+    # onto other nodes keeps SLURM_JOB_ID and raises SLURM_RESTART_COUNT; that run has ended);
+    # another run of the same allocation (the same count) is refused
     out = ["--steps", "2", "--out", str(tmp_path / "b")]
     (tmp_path / "b").mkdir()
-    for owner_job, job, code in [("", "", 2), ("41", "42", 2), ("42", "42", 0)]:
-        (tmp_path / "b" / ".run.lock").write_text(f"12345 node-a07 {owner_job}".rstrip() + "\n")
+    for owner, job, requeues, code in [("", "", "0", 2), ("41 0", "42", "1", 2), ("42 1", "42", "1", 2),
+                                       ("42 0", "42", "1", 0)]:
+        (tmp_path / "b" / ".run.lock").write_text(f"12345 node-a07 {owner}".rstrip() + "\n")
         monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", requeues)
         capsys.readouterr()
-        assert _main(monkeypatch, [*QUIET, *out])[0] == code, (owner_job, job)
+        assert _main(monkeypatch, [*QUIET, *out])[0] == code, (owner, job, requeues)
         if code:
             assert "is locked by a run on node-a07 (pid 12345)" in capsys.readouterr().err
     assert not (tmp_path / "b" / ".run.lock").exists()
@@ -204,6 +207,13 @@ def test_a_finished_run_is_moved_aside_not_overwritten(monkeypatch, tmp_path, ca
     capsys.readouterr()
     assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out), "--ckpt-every", "2", "--resume"])[0] == 2
     assert "nothing is left to train" in capsys.readouterr().err
+    # torchrun's restart of that refused attempt (--max-restarts, as train.slurm runs) refuses
+    # again: it does not take the run for one that died after its outputs and rewrite them
+    summary = (out / "summary.json").read_text()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _main(monkeypatch, [*QUIET, "--steps", "3", "--out", str(out), "--ckpt-every", "2", "--resume"])[0] == 2
+    assert "nothing is left to train" in capsys.readouterr().err and (out / "summary.json").read_text() == summary
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("train@")]) == 3
 
 
@@ -230,7 +240,8 @@ def test_a_resume_with_more_steps_says_how_the_schedule_changes(monkeypatch, tmp
     assert _main(monkeypatch, [*QUIET, "--steps", "2", *warm])[0] == 0
     capsys.readouterr()
     assert _main(monkeypatch, [*QUIET, "--steps", "4", *warm, "--resume"])[0] == 0
-    assert "(every step so far was warm-up: the run continues as a 4-step run would)." in capsys.readouterr().out
+    assert ("--steps 4 here, 2 in the checkpoint's run: every step so far was warm-up, the same in both, so the run "
+            "continues as a 4-step run would (") in capsys.readouterr().out
 
 
 def test_a_refused_run_leaves_no_empty_folder_behind(monkeypatch, tmp_path, capsys):

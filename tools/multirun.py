@@ -38,6 +38,11 @@ def allow_reinit():
     """Make ``dist.init_process_group`` safe to call again after ``destroy_process_group``."""
     if _state["store"] is not None or "MASTER_ADDR" not in os.environ:
         return  # already done, or plain python: each group gets a store of its own (common/distributed.py)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        from common.errors import UserError
+        raise UserError("tools/multirun.py runs several process groups on torchrun's shared store, and "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 turns that off (rank 0 would host a store that closes "
+                        "with its first group): unset it for this launch.")
     _state["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     init = dist.init_process_group
 

@@ -344,7 +344,8 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
             "ring: one block's scores and probabilities (fp32)": 2 * 4 * seqs * cfg.n_heads * local * local}
     moments = {out["peak_at"]: out["peak"],
                "ring attention (forward)": out["parameters"] + out["optimizer state"] + out["activations"]
-               + (0 if fsdp else out["gradients"])  # DDP's buckets hold the gradients all step
+               # DDP's buckets hold the gradients all step; FSDP accumulating, the unsharded ones
+               + (out["transient"].get(ACCUM_GRADS, 0) if fsdp else out["gradients"])
                + sum(ring.values()) + sum(v for k, v in out["transient"].items() if "FSDP" in k)}
     out["transient"] = {**out["transient"], **ring}
     comm = out["comm"] if fsdp else {}
