@@ -230,7 +230,6 @@ class Run:
     def finish(self, **extra) -> dict | None:
         """Measure the validation loss, draw the memory figure, write summary.json, print
         prediction and bytes (rank 0); with --save-weights, gather the weights into OUT/weights.pt."""
-        a, ctx = self.args, self.ctx
         self.ckpt.mark_progress()
         with self.ckpt.busy():  # (after a signal the stuck-rank watch waits for the outputs, however long)
             return self._finish(extra)
