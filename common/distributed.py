@@ -426,12 +426,14 @@ def _stop_answering():
     0 hosts the store itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a thread still waiting in
     it at exit aborted the process ("terminate called without an active exception")."""
     for rank, thread in _answering.items():
+        store = None
         with contextlib.suppress(Exception):  # (the store may be gone already: so is the wait)
             store = _hang_store()
             store.set(f"wake_{rank}", "stop")
-            thread.join(timeout=5)
-            store.delete_key(f"wake_{rank}")  # a later run of the same job (a harness) waits afresh
         thread.join(timeout=5)
+        with contextlib.suppress(Exception):  # a later run of the same job (a harness) waits afresh
+            if store is not None:
+                store.delete_key(f"wake_{rank}")
     _answering.clear()
 
 
