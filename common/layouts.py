@@ -23,6 +23,8 @@ SCRIPTS = {
     "fsdp_zero3": (S3 + "train_fsdp.py", lambda p: []),
     "fsdp_zero2": (S3 + "train_fsdp.py", lambda p: ["--no-reshard-after-forward"]),
     "hsdp": (S3 + "train_fsdp.py", lambda p: ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard or p.world)]),
+    "hsdp_zero2": (S3 + "train_fsdp.py", lambda p: ["--hsdp", str(p.world // (p.shard or p.world)), str(p.shard or p.world),
+                                                    "--no-reshard-after-forward"]),
     "tp": (S3 + "train_tp.py", lambda p: []),
     "2d": (S3 + "train_2d.py", lambda p: ["--tp", str(p.tp)]),
     "3d": (S3 + "train_3d.py", lambda p: ["--pp", str(p.pp), "--dp", str(p.dp), "--tp", str(p.tp), "--schedule",
@@ -37,7 +39,7 @@ SCRIPTS = {
 # device: train_ddp.py's, as for DDP, with DDP's wrapper left out: its C++ Reducer cannot be
 # faked, and one replica holds what one device holds at batch / W; step 1's and step 2's
 # scripts build the same model inline, as their lessons).
-TRACED = ("single", "ddp", "fsdp_zero3", "fsdp_zero2", "hsdp", "tp", "2d", "pp", "cp", "cp_fsdp")
+TRACED = ("single", "ddp", "fsdp_zero3", "fsdp_zero2", "hsdp", "hsdp_zero2", "tp", "2d", "pp", "cp", "cp_fsdp")
 
 
 def layout(p) -> str:
@@ -58,7 +60,8 @@ def script_of(p) -> str:
 
 def _batch_and_savers(p) -> list[str]:
     return ["--global-batch-size", str(p.batch), "--seq-len", str(p.seq_len), "--ac", p.ac] + (
-        ["--amp", "off"] if p.dtype == "fp32" else [])  # (bf16 is the step-3 scripts' default)
+        ["--amp", "off"] if p.dtype == "fp32" else []) + (  # (bf16 is the step-3 scripts' default)
+        ["--grad-accum", str(p.accum)] if p.accum > 1 else [])
 
 
 def layout_flags(p) -> list[str]:

@@ -90,7 +90,10 @@ def main():
                 x, y = next(batches)
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 losses = []
-                schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses)
+                # return_outputs=False: by default the last stage keeps every micro-batch's output
+                # (the logits) to hand back the whole batch's; training reads only the losses
+                schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses,
+                              return_outputs=False)
                 # Each stage holds other layers: their sums of squares add up along the pipeline.
                 grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
                                            pp_group=pp_group, local=args.clip_by == "local")

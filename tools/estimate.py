@@ -57,7 +57,7 @@ from common.parallelize.ac import AC_MODES
 GiB = 2**30
 H100_80GB_GIB = 79.65   # total memory an "80 GB" H100 reports (nvidia-smi: 81559 MiB)
 HEADROOM_GIB = 4.0      # CUDA context + kernels (~1), NCCL buffers (~1-2), allocator fragmentation
-TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "tp", "2d", "pp", "cp", "cp_fsdp")
+TRACEABLE = ("single", "ddp", "fsdp_zero2", "fsdp_zero3", "hsdp", "hsdp_zero2", "tp", "2d", "pp", "cp", "cp_fsdp")
 # What --trace cannot follow under fake tensors, and runs the dry run for instead (saying so).
 DRY_TRACED = {"ep": "a mixture of experts cannot be traced under fake tensors (the router's token counts decide "
                     "the shapes, and a fake tensor has no values)"}
@@ -225,7 +225,7 @@ def check_layouts(ps) -> None:
     from common.parallelize.pp import check_pp
     from common.parallelize.tp import check_tp
     for p in ps:
-        if p.strategy == "hsdp":
+        if p.strategy.startswith("hsdp"):
             check_mesh((max(1, p.world // p.shard), p.shard), ("replicate", "shard"), p.world,
                        launched="are in --world-size")
         if p.tp > 1:
@@ -274,7 +274,7 @@ def plans(args) -> list[Plan]:
                   microbatches=args.microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel)
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
-        shard = args.hsdp_shard or (max(1, w // 2) if strategy == "hsdp" else None)
+        shard = args.hsdp_shard or (max(1, w // 2) if strategy.startswith("hsdp") else None)
         return [Plan(cfg, strategy, tp=args.tp, pp=args.pp, shard=shard, cp=args.cp, **common,
                      loss_chunks=args.loss_chunks, split_root=args.split_root_unit,
                      **({"ep": args.ep} if strategy == "ep" else {}))]
@@ -314,7 +314,8 @@ def label(p: Plan) -> str:
         return "single device"
     deg = {"tp": f" tp={p.tp}", "pp": f" pp={p.pp} m={p.microbatches or p.pp} {p.schedule}",
            "2d": f" dp={p.dp} x tp={p.tp}" + (f" x pp={p.pp} m={p.microbatches or p.pp} {p.schedule}" if p.pp > 1 else ""), "cp": f" cp={p.cp or p.world}", "cp_fsdp": f" cp={p.cp or p.world}",
-           "ep": f" ep={p.ep or p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(p.strategy, "")
+           "ep": f" ep={p.ep or p.world} (dense part fsdp)", "hsdp": f" {p.dp // (p.shard or p.dp)}x{p.shard}"}.get(
+               "hsdp" if p.strategy.startswith("hsdp") else p.strategy, "")
     extra = f" (tp={p.tp} pp={p.pp})" if p.strategy not in ("tp", "pp", "2d") and (p.tp > 1 or p.pp > 1) else ""
     return f"{p.strategy}{deg}{extra} on {p.world}"
 
@@ -532,7 +533,7 @@ def _mesh(p: Plan, ctx):
         return ctx.mesh((p.world,), ("tp",))
     if p.strategy == "2d":
         return ctx.mesh((p.dp, p.tp), ("dp", "tp"))
-    if p.strategy == "hsdp":
+    if p.strategy.startswith("hsdp"):
         return ctx.mesh((p.world // p.shard, p.shard), ("replicate", "shard"))
     return ctx.mesh() if p.pp == 1 else None
 
@@ -599,7 +600,7 @@ def dry_run_command(p: Plan, args) -> list[str]:
     if p.strategy == "single" or (p.pp > 1 and (p.strategy != "pp" or p.tp > 1 or p.dp > 1)) or (
             p.tp > 1 and p.strategy not in ("tp", "2d")):
         raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
-                        f"fsdp, hsdp, tp, 2d, pp, cp, cp_fsdp, ep), not {label(p)}; for 3-D run "
+                        f"fsdp, hsdp, hsdp_zero2, tp, 2d, pp, cp, cp_fsdp, ep), not {label(p)}; for 3-D run "
                         f"step3_multi_gpu/train_3d.py --fake-world-size yourself.")
     extra = layouts.layout_flags(p)
     if p.pp > 1:  # the rank the formulas find fullest (the first, under 1F1B)
@@ -686,7 +687,7 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
     rows = [(c, est[c], [m[c] for _, m in measured]) for c in CATEGORIES]
     rows += [(k, v, [None] * len(measured)) for k, v in est["transient"].items()]
     if est["optimizer temporaries"]:
-        rows.append(("AdamW temporaries (foreach)", est["optimizer temporaries"], [None] * len(measured)))
+        rows.append((f"AdamW temporaries ({p.optimizer})", est["optimizer temporaries"], [None] * len(measured)))
     if measured:
         rows.append(("other (measured: temporaries)", None, [m["other"] for _, m in measured]))
     root = est.get(ROOT_REDUCE, {})

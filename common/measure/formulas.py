@@ -299,12 +299,16 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp
 def loss_backward_bytes(cfg: ModelConfig, tokens: int, dtype: str, loss_chunks: int = 1, tp: int = 1,
                         weight_bytes: int = 4) -> int:
     """What the loss's backward holds at once beyond the activations: the plain loss two fp32
-    (tokens, vocab) gradients (of the log-probabilities and of the logits); the chunked one
-    (common/loss.py) one chunk's logits and their softmax (fp32: 8 bytes an entry), the
+    (tokens, vocab) gradients (of the log-probabilities and of the logits); under loss
+    parallelism (``tp`` > 1: DTensor's handler of the nll loss's backward, which does the
+    log-softmax's backward too, on each rank's vocabulary slice) three: ``zeros_like`` of the
+    log-probabilities, their ``exp`` and the sum of the two, before it is scaled (ops the
+    handler runs below the memory trace: the CPU allocator's peak counts them); the chunked
+    one (common/loss.py) one chunk's logits and their softmax (fp32: 8 bytes an entry), the
     output layer's whole gradient (``weight_bytes`` a value) and the gradient of its input."""
     v = cfg.vocab_size // tp
     if loss_chunks <= 1:
-        return 8 * v * tokens
+        return (12 if tp > 1 else 8) * v * tokens
     chunk = -(-tokens // loss_chunks)
     return 8 * v * chunk + weight_bytes * v * cfg.dim + DTYPE_BYTES[dtype] * tokens * cfg.dim
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 
 from common.model import ModelConfig
 
-DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
+DP_STRATEGIES = ("single", "ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp", "hsdp_zero2")
 STRATEGIES = DP_STRATEGIES + ("tp", "pp", "2d")
 STRATEGIES += ("ep",)  # expert parallelism, the dense part FSDP (step3_multi_gpu/train_ep.py)
-ALIASES = {"fsdp": "fsdp_zero3", "zero3": "fsdp_zero3", "zero2": "fsdp_zero2", "hsdp_zero3": "hsdp",
-           "hsdp_zero2": "hsdp"}
+ALIASES = {"fsdp": "fsdp_zero3", "zero3": "fsdp_zero3", "zero2": "fsdp_zero2", "hsdp_zero3": "hsdp"}
 STRATEGIES += ("cp", "cp_fsdp")  # context parallelism (common/parallelize/cp.py)
 
 
@@ -88,4 +87,4 @@ class Plan:
 
 
 # the layouts whose scripts ask the model for the loss (model(x, targets=y)) instead of holding logits
-HEAD_LOSS_STRATEGIES = ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp")
+HEAD_LOSS_STRATEGIES = ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3", "hsdp", "hsdp_zero2")

@@ -222,7 +222,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     # data parallelism over dp (or, under CP, every rank), stride tp: its bytes from formulas.py
     group = plan.world if cp > 1 else dp
     if group > 1 and kind != "single":
-        shard = plan.shard if kind == "hsdp" else None
+        shard = plan.shard if kind.startswith("hsdp") else None
         b = _dp_comm(kind if kind != "hsdp" else "hsdp_zero3", shapes, group, shard,
                      DTYPE_BYTES[dtype] if fsdp else 4, plan.accum)
         stride = tp
@@ -245,7 +245,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
                 c.exposed = c.time
                 comms.append(c)
         else:  # FSDP: one all-gather a unit forward (and again backward, resharded), one reduce-scatter
-            sg = plan.shard if kind == "hsdp" else group  # the FSDP (shard) group, ranks stride apart
+            sg = plan.shard if kind.startswith("hsdp") else group  # the FSDP (shard) group, ranks stride apart
             link = machine.link(sg, stride)[0]
             pbytes = DTYPE_BYTES[dtype]  # FSDP gathers the compute dtype's copy (its MixedPrecisionPolicy)
             root = sum(math.prod(s) for name, s in shapes.items() if is_root(name))
@@ -316,7 +316,7 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
     exposed = sum(c.exposed for c in comms)
 
     # the optimizer: the parameters this rank updates (splits.py's shards)
-    updated = n_local / ((plan.shard if kind == "hsdp" else group) if fsdp else group if kind == "zero1" else 1)
+    updated = n_local / ((plan.shard if kind.startswith("hsdp") else group) if fsdp else group if kind == "zero1" else 1)
     optimizer = updated * (machine.adamw_s_per_param or optimizer_bytes(plan.optimizer) / machine.hbm)
 
     # More ranks on a node than compute units (4 ranks on 2 CPU cores): the ranks take turns.

@@ -5,10 +5,12 @@ holds and sends (``predict``), and that prediction beside the measurement at the
 The bytes it adds up are common/measure/formulas.py's (model state, activations,
 communication, one definition each); the parameters each rank holds, common/measure/splits.py's.
 
-The peak is the largest of five moments (``_peak``): the end of forward (no gradients yet
+The peak is the largest of five moments (``_peak``, two more where they apply): the end of forward (no gradients yet
 when the last step freed them, autocast's cache still full), the loss's backward, the start
 of backward (one block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
-default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter). At
+default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter); under
+DDP a sixth, the second step's start, where DDP rebuilds its gradient buckets, and, accumulating
+without FSDP, the moment a later micro-batch's output-layer gradient lands. At
 1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
 1.5% of what an H200 measured: the allocator's peak for fp32 and bf16 autocast, the memory
 tracer's for selective and full AC (the optimizer step, 20N exactly), whose allocator peak
@@ -74,7 +76,7 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
 
 
 def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
-    """The step's peak: the largest of five moments.
+    """The step's peak: the largest of five moments (and two more where they apply).
 
     - end of forward: parameters, AdamW state, every activation and autocast's cache of
       bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
@@ -87,13 +89,19 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
     - end of backward: every gradient, and the first block rebuilt (what matters under full
       AC, where the activations are small and the gradients are not);
+    - accumulating (micro-batches of --grad-accum or of a pipeline) without FSDP, a later
+      micro-batch's output-layer gradient landing beside the summed ones (``NEW_OUTPUT_GRAD``);
+    - under DDP (and ZeRO-1), the second step's start (``ddp_rebuild``);
     - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
       AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
-      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, and
+      (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, holding
+      two temporaries the size of the tensor (``exp_avg_sq.sqrt() / bias_correction2_sqrt``:
+      8 bytes an element of the largest, a large vocabulary's output layer), and
       ``--fused-adamw`` runs one kernel that holds none (``plan.optimizer``).
     FSDP's gathered weights count at every moment but the optimizer step (one block fewer at
     the loss's backward); its unsharded gradients (one block's, while FSDP reduce-scatters
-    them) from the start of backward on.
+    them) from the start of backward on. A pipeline stage's receive buffers (``PP_RECV``)
+    count at every moment.
     Returns (peak, which moment, the optimizer's temporaries).
     """
     state_bytes = out["optimizer state"]
@@ -107,8 +115,9 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
     loss = sum(v for k, v in transient.items() if k.startswith(LOSS_BACKWARD))
     at_loss = base - sum(v for k, v in transient.items() if "FSDP" in k) + out.get("FSDP at the loss", 0)
-    # half the state: one fp32 value a parameter (the few bytes of step counters aside)
-    temporaries = state_bytes // 2 if plan.optimizer == "foreach" else 0
+    # foreach: half the state, one fp32 value a parameter (the few bytes of step counters aside);
+    # for-loop: the largest tensor's sqrt(v) and its quotient by the bias correction, alive together
+    temporaries = {"foreach": state_bytes // 2, "for-loop": 2 * 4 * out.get("largest tensor", 0)}.get(plan.optimizer, 0)
     full = out["parameters"] + out["gradients"] + state_bytes
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
     moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
@@ -116,8 +125,27 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
                "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
+    if NEW_OUTPUT_GRAD in transient:
+        moments["output layer's backward (accumulating)"] = (base - out[RELEASED_AT_OUTPUT]
+                                                             + transient[NEW_OUTPUT_GRAD])
+    if kind in ("ddp", "zero1") and plan.dp > 1:
+        moments[DDP_REBUILD] = ddp_rebuild(out, 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len)
+    moments = {k: v + transient.get(PP_RECV, 0) for k, v in moments.items()}  # alive at every moment
     at = max(moments, key=moments.get)
     return moments[at], at, temporaries
+
+
+DDP_REBUILD = "DDP's bucket rebuild (second step)"
+
+
+def ddp_rebuild(out: dict, batch_bytes: int) -> int:
+    """The start of DDP's second step: it rebuilds its gradient buckets once, in the order the
+    first backward produced the gradients, allocating the new buckets while the old ones
+    (which ``gradient_as_bucket_view`` gradients are views of) are still alive: every
+    gradient twice, beside the parameters, AdamW's state and the batch, before any activation
+    (measured on dry runs of train_ddp.py, tests/test_estimate.py). A small model at a short
+    sequence, or a large one, peaks here."""
+    return out["parameters"] + out["optimizer state"] + 2 * out["gradients"] + batch_bytes
 
 
 def offloaded_state(plan: Plan, shapes: dict, shard: int, index: int, out: dict) -> dict[str, int]:
@@ -138,6 +166,9 @@ ROOT_REDUCE = "FSDP root unit's reduce-scatter"
 ACCUM_GRADS = "earlier micro-batches' gradients, unsharded (until the last reduce-scatter)"
 LOSS_BACKWARD = "the loss's backward"
 UNSHARDED_GRADS = "unsharded gradients (FSDP)"
+PP_RECV = "pipeline receive buffers (fp32 activations and their gradients)"
+NEW_OUTPUT_GRAD = "a later micro-batch's output-layer gradient, before it is added in"
+RELEASED_AT_OUTPUT = "freed by the output layer's backward"
 
 
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
@@ -179,6 +210,17 @@ def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
     return int(v_live_peak(plan, stage, per_mb)), int(v_live_peak(plan, stage, dict.fromkeys(per_mb, 1)))
 
 
+def _largest_local(plan: Plan, shapes: dict, shard: int) -> int:
+    """The most elements one tensor the optimizer updates on this rank has: a parameter's
+    padded shard under FSDP (EP: the experts split ep ways, the dense part over the world),
+    the whole parameter otherwise (ZeRO-1's partition owns whole parameters: the largest is
+    an upper bound for a rank that owns smaller ones)."""
+    if plan.strategy == "ep":
+        return max(padded_shard_numel(s, (plan.ep or plan.world) if is_expert(k) else plan.world)
+                   for k, s in shapes.items())
+    return max(padded_shard_numel(s, shard) for s in shapes.values())
+
+
 def predict(plan: Plan, rank: int = 0) -> dict:
     """Per-rank bytes by category, the transient extras at the peak, and bytes sent per step."""
     if plan.strategy in ("cp", "cp_fsdp"):
@@ -207,13 +249,15 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     checkpointed = checkpointed_blocks(n_layers, plan.ac, plan.ac_every)
     # FSDP's bf16 is its mixed-precision policy (no autocast) but under 2-D, where autocast stays
     mp_policy = fsdp and plan.strategy != "2d" and plan.dp > 1
+    # ... on top of the policy, whose bf16 embedding makes the residual stream bf16 there too: a
+    # checkpointed block's input is 2 bytes a value (the count without AC stays autocast's)
     act = sum(k * layer_activation_bytes(cfg, tokens, plan.dtype, ac, plan.tp, plan.sequence_parallel, plan.device,
-                                         mp_policy)
+                                         fsdp and plan.dp > 1)
               for k, ac in ((checkpointed, plan.ac), (n_layers - checkpointed, "none")) if k)
-    if "output.weight" in shapes:
-        act += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel,
-                                     fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")),
-                                     head_loss=plan.head_loss, loss_chunks=plan.loss_chunks)
+    head = head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel,
+                                 fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")), head_loss=plan.head_loss,
+                                 loss_chunks=plan.loss_chunks) if "output.weight" in shapes else 0
+    act += head
     act *= in_flight
     if plan.schedule in V_SCHEDULES and plan.pp > 1:  # two stages whose micro-batches come and go apart
         act, in_flight = _v_activations(plan, stage, tokens)
@@ -241,6 +285,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             act += in_flight * 4 * cfg.max_seq_len * cfg.head_dim
     if plan.strategy == "ep":
         out = ep_state(plan, shapes, rank)
+    # (under CPU offload the optimizer step runs on the host: no device temporaries)
+    out["largest tensor"] = 0 if plan.cpu_offload else _largest_local(plan, shapes, shard if fsdp else 1)
     if cfg.n_experts:
         act += moe_activation_extra(plan, tokens, n_layers, shapes)
     out["activations"] = act
@@ -270,7 +316,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             # whole fp32 gradient from the first micro-batch's backward to the last one's
             # reduce-scatter, 4 bytes a parameter of the rank's unsharded share, not 4/W; a
             # block's new gradient adds into it, so only the reduce-scatter's fp32 copy is new
-            transient[ACCUM_GRADS] = 4 * sum(math.prod(s) for s in shapes.values())
+            transient[ACCUM_GRADS] = 4 * sum(math.prod(s) for k, s in shapes.items()
+                                             if not (plan.strategy == "ep" and is_expert(k)))
+            if plan.strategy == "ep":  # the rank's own experts are no FSDP unit: their gradients, as they are
+                transient[ACCUM_GRADS] += 4 * sum(padded_shard_numel(s, plan.ep or plan.world)
+                                                  for k, s in shapes.items() if is_expert(k))
             transient[UNSHARDED_GRADS] = 4 * block_n
         # when the loss's backward runs, no block's gradient exists yet and one block is gathered
         # (backward's prefetch of the last), not two
@@ -292,13 +342,26 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         transient[f"{LOSS_BACKWARD} ({what})"] = loss_backward_bytes(
             cfg, tokens, plan.dtype, plan.loss_chunks, plan.tp if plan.loss_parallel else 1,
             DTYPE_BYTES[plan.dtype] if mp_policy else 4)
+    if plan.pp > 1:  # each stage's receive buffers, one a micro-batch, kept from step to step
+        n_stages = plan.pp * loops
+        transient[PP_RECV] = sum(((s > 0) + (s < n_stages - 1)) * m * 4 * tokens * cfg.dim
+                                 for s in _rank_stages(plan, stage))
+    if (plan.accum > 1 or plan.pp > 1) and not fsdp and "output.weight" in shapes:
+        # accumulating, a later micro-batch's output-layer gradient lands beside the gradients
+        # already summed: under autocast the matmul's bf16 gradient and its fp32 cast together
+        # (AccumulateGrad then adds it in), once this micro-batch's head activations and its
+        # bf16 copy of the weight are freed (backward has left the loss and the matmul)
+        n_out = math.prod(shapes["output.weight"])
+        copy = 2 * n_out if plan.dtype == "bf16" and not mp_policy else 0
+        transient[NEW_OUTPUT_GRAD] = copy + 4 * n_out
+        out[RELEASED_AT_OUTPUT] = head + copy
     out["transient"] = transient
     out["peak"], out["peak_at"], out["optimizer temporaries"] = _peak(plan, kind, fsdp, out, transient)
 
     comm = {}
     if plan.dp > 1:
         dp_strategy = {"single": "ddp", "hsdp": "hsdp_zero3"}.get(kind, kind)
-        comm |= _dp_comm(dp_strategy, shapes, plan.dp, plan.shard if kind == "hsdp" else None,
+        comm |= _dp_comm(dp_strategy, shapes, plan.dp, plan.shard if kind.startswith("hsdp") else None,
                          DTYPE_BYTES[plan.dtype] if fsdp else 4, plan.accum, plan.split_root)
     if plan.tp > 1:
         stage_cfg = replace(cfg, n_layers=n_layers)
@@ -347,6 +410,8 @@ def cp_predict(plan: Plan, rank: int = 0) -> dict:
                # DDP's buckets hold the gradients all step; FSDP accumulating, the unsharded ones
                + (out["transient"].get(ACCUM_GRADS, 0) if fsdp else out["gradients"])
                + sum(ring.values()) + sum(v for k, v in out["transient"].items() if "FSDP" in k)}
+    if plan.world > 1 and not fsdp:  # DDP over every rank
+        moments[DDP_REBUILD] = ddp_rebuild(out, 16 * seqs * local)
     out["transient"] = {**out["transient"], **ring}
     comm = out["comm"] if fsdp else {}
     if plan.world > 1 and not fsdp:  # DDP's buckets: every gradient, once
