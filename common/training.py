@@ -247,6 +247,24 @@ def compile_unsupported(device: torch.device) -> str | None:
 
 
 # ---- the global gradient norm ----------------------------------------------------------------
+def reduce_partial_grads(params) -> None:
+    """Sum, once, the gradients backward left as sums still to be taken. Under sequence
+    parallelism each TP rank computes a norm gain's gradient from its slice of the sequence,
+    and DTensor keeps it ``Partial`` (unreduced) after backward; every later op on it would
+    all-reduce it again, AdamW's three of them inside DTensor's operators (where the byte
+    counter cannot see them). One redistribution each, counted as ``all_reduce (norm
+    gains)``, leaves them ``Replicate``, as the weights are. (Under 2-D, FSDP's reduction
+    takes care of them.)"""
+    from torch.distributed.tensor import Replicate
+
+    from common.measure.comm import purpose
+    with purpose("norm gains"):
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) -> torch.Tensor:
     """Clip the gradients to a global norm of ``max_norm`` (0: measure only); return the norm
     before clipping, the same number on every rank.
@@ -265,6 +283,7 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     from common.measure.memory import named_phase  # the memory trace draws it as its own phase
 
     params = list(params)
+    reduce_partial_grads(params)  # sequence parallelism's norm gains: summed once, before any use
     # The sum starts on the parameters' device even where no gradient is there to tell it:
     # on a CUDA run a host zero would reach pp_group's NCCL all-reduce, which refuses it.
     device = params[0].device if params else "cpu"

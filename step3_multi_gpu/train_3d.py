@@ -87,13 +87,10 @@ def main():
         batches = iter(data)
         for step in run.steps():
             with run.step(step):
-                x, y = next(batches)
-                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                x, y = (t.to(ctx.device, non_blocking=True) for t in next(batches))
                 losses = []
-                # return_outputs=False: by default the last stage keeps every micro-batch's output
-                # (the logits) to hand back the whole batch's; training reads only the losses
                 schedule.step(*([x] if has_first else []), target=y if has_last else None, losses=losses,
-                              return_outputs=False)
+                              return_outputs=False)  # keep no micro-batch's logits: only the losses are read
                 # Each stage holds other layers: their sums of squares add up along the pipeline.
                 grad_norm = clip_grad_norm([p for m in models for p in m.parameters()], args.max_norm,
                                            pp_group=pp_group, local=args.clip_by == "local")

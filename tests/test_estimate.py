@@ -410,8 +410,9 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
         "tp_loss_parallel": (Plan(v32, "tp", seq_len=64, **kw), 0),
         # EP accumulating: the experts are no FSDP unit, their gradients are not held unsharded (0.56)
         "ep_accum": (Plan(moe, "ep", seq_len=16, accum=2, **kw), 0),
-        # HSDP with --no-reshard-after-forward, predicted as ZeRO-3 before (1.02 here, 1.12 at other sizes)
-        "hsdp_zero2": (Plan(SMALL, "hsdp_zero2", shard=2, seq_len=64, **kw), 0),
+        # HSDP with --no-reshard-after-forward, predicted as ZeRO-3 before (1.12 at other sizes), then
+        # as ZeRO-2 with every unit gathered at the end of backward (0.86)
+        "hsdp_zero2": (Plan(s8, "hsdp_zero2", shard=2, seq_len=16, **kw), 0),
         # 2-D with full AC: FSDP's policy makes a checkpointed block's input bf16 (activations 1.3x over)
         "2d_ac": (Plan(SMALL, "2d", tp=2, seq_len=64, ac="full", **kw), 0),
     }
@@ -437,7 +438,7 @@ def _predicted(missed, name: str) -> dict:
     return theory.predict(replace(plan, optimizer=missed[name]["optimizer_kernels"]), rank)
 
 
-@pytest.mark.parametrize("name", [n for n in _missed_plans() if n not in ("hsdp_zero2", "2d_ac")])
+@pytest.mark.parametrize("name", [n for n in _missed_plans() if n != "2d_ac"])
 def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
     """The formula's peak against a dry run of the layout's real script, within 3%. Loss
     parallelism's backward runs ops inside DTensor's handler that the trace does not see: the
@@ -459,14 +460,11 @@ def test_3d_gathers_its_stage_once_a_step(missed):
 
 
 def test_hsdp_zero2_and_2d_ac_are_counted_as_they_run(missed):
-    """HSDP with --no-reshard-after-forward keeps every unit gathered from forward to backward,
-    as FSDP ZeRO-2 does: predicted so, it is over the dry run (the block's unsharded gradients
-    counted at the start of backward, as for ZeRO-2), no longer under. 2-D with full AC keeps
-    each block's bf16 input: the activations within 5%."""
+    """HSDP with --no-reshard-after-forward keeps every unit gathered from its forward to its
+    backward, as FSDP ZeRO-2 does, and is predicted so. 2-D with full AC keeps each block's
+    bf16 input (FSDP's policy): the activations within 5%."""
     plan, _ = _missed_plans()["hsdp_zero2"]
-    f, (mem,) = _predicted(missed, "hsdp_zero2"), missed["hsdp_zero2"]["memory"]
-    assert 0.9 < mem["peak_bytes"] / f["peak"] <= 1.03, mem["peak_bytes"] / f["peak"]
-    assert f["transient"]["gathered parameters (FSDP)"] == 2 * count_params(plan.cfg)  # bf16, every unit
+    assert _predicted(missed, "hsdp_zero2")["transient"]["gathered parameters (FSDP)"] == 2 * count_params(plan.cfg)
     f, (mem,) = _predicted(missed, "2d_ac"), missed["2d_ac"]["memory"]
     assert mem["peak_by_category"]["activations"] == pytest.approx(f["activations"], rel=0.05)
     assert mem["peak_bytes"] == pytest.approx(f["peak"], rel=0.05)

@@ -99,7 +99,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
       8 bytes an element of the largest, a large vocabulary's output layer), and
       ``--fused-adamw`` runs one kernel that holds none (``plan.optimizer``).
     FSDP's gathered weights count at every moment but the optimizer step (one block fewer at
-    the loss's backward); its unsharded gradients (one block's, while FSDP reduce-scatters
+    the loss's backward; under ZeRO-2 every unit, but at the end of backward only what ZeRO-3 keeps); its unsharded gradients (one block's, while FSDP reduce-scatters
     them) from the start of backward on. A pipeline stage's receive buffers (``PP_RECV``)
     count at every moment.
     Returns (peak, which moment, the optimizer's temporaries).
@@ -122,7 +122,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
     moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
                "start of backward": base + rebuilt,
-               "end of backward": max(full + rebuilt + sum(v for k, v in transient.items() if "FSDP" in k),
+               "end of backward": max(full + rebuilt + out.get("FSDP at the end of backward", 0),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
     if NEW_OUTPUT_GRAD in transient:
@@ -297,14 +297,14 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     block_n = sum(math.prod(s) for k, s in block.items() if not (plan.strategy == "ep" and is_expert(k)))
     if fsdp and plan.dp > 1:
         pbytes = DTYPE_BYTES[plan.dtype]
-        if kind.endswith("zero2"):
-            gathered = sum(math.prod(s) for s in shapes.values())
-        elif plan.split_root:  # the head's unit stays gathered from its forward to its backward; a block, and
+        if plan.split_root:  # the head's unit stays gathered from its forward to its backward; a block, and
             # the next one prefetched (the embedding's unit is gathered only around its own forward and backward)
-            gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and not k.startswith(
+            zero3 = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and not k.startswith(
                 "tok_embeddings.")) + 2 * block_n
         else:  # the root stays gathered; a block, and the next one prefetched
-            gathered = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
+            zero3 = sum(math.prod(s) for k, s in shapes.items() if is_root(k)) + 2 * block_n
+        # ZeRO-2 keeps every unit gathered from its forward to its backward
+        gathered = sum(math.prod(s) for s in shapes.values()) if kind.endswith("zero2") else zero3
         transient["gathered parameters (FSDP" + (", head in its own unit)" if plan.split_root else ")")] = \
             pbytes * gathered
         # a block's full gradients in the compute dtype and their fp32 copy in the
@@ -322,6 +322,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                 transient[ACCUM_GRADS] += 4 * sum(padded_shard_numel(s, plan.ep or plan.world)
                                                   for k, s in shapes.items() if is_expert(k))
             transient[UNSHARDED_GRADS] = 4 * block_n
+        # by the end of backward FSDP has resharded each unit after its own backward, ZeRO-2's
+        # too: what is still gathered is what ZeRO-3 keeps
+        out["FSDP at the end of backward"] = pbytes * zero3 + transient[UNSHARDED_GRADS]
         # when the loss's backward runs, no block's gradient exists yet and one block is gathered
         # (backward's prefetch of the last), not two
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
@@ -371,6 +374,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                                       DTYPE_BYTES[plan.dtype], None if fsdp and plan.dp > 1 else 4,
                                       checkpointed).items():
             comm[k] = comm.get(k, 0) + v
+        if plan.sequence_parallel and not (fsdp and plan.dp > 1):
+            # the norm gains' gradients, left Partial by backward, summed once (reduce_partial_grads)
+            comm["all_reduce (norm gains)"] = 4 * sum(math.prod(s) for k, s in shapes.items() if k.endswith("norm.weight"))
     if plan.pp > 1:
         # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
         comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops,

@@ -2,8 +2,8 @@
 
 Rank 0 writes OUT as JSON: what ReduceOp.AVG returned, the TORCH_NCCL_ASYNC_ERROR_HANDLING
 torchrun gave the worker, the dtypes RoPE's tables have inside an FSDP2 unit under
-MixedPrecisionPolicy(param_dtype=bf16), and the placement of tensor parallelism's embedding
-gradient.
+MixedPrecisionPolicy(param_dtype=bf16), the placement of tensor parallelism's embedding
+gradient, and the all-reduces of sequence parallelism's norm gains.
 """
 import json
 import os
@@ -51,6 +51,7 @@ def main(out):
     seen["tp_embedding"] = {"weight": [str(p) for p in weight.placements], "weight_local": list(weight.to_local().shape),
                             "grad": [str(p) for p in weight.grad.placements],
                             "grad_local": list(weight.grad.to_local().shape), "full": [cfg.vocab_size, cfg.dim]}
+    seen["sp_norm_gains"] = sequence_parallel_all_reduces(cfg, w)
     if rank == 0:
         Path(out).write_text(json.dumps({
             "avg": t.tolist(), "mean": want.tolist(), "world": w,
@@ -59,6 +60,46 @@ def main(out):
     # the other rank still works aborted both ranks once on a loaded machine.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def sequence_parallel_all_reduces(cfg, w) -> dict:
+    """Under sequence parallelism, the all-reduces of the norm gains' (Partial) gradients:
+    in AdamW's step as backward leaves them, and in reduce_partial_grads then AdamW's step
+    (functional all-reduces, which DTensor's operators issue below any dispatch mode)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from common.parallelize.tp import apply_tp
+    from common.training import reduce_partial_grads
+    calls, real = [], funcol.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    funcol.all_reduce = counted
+    try:
+        got = {}
+        for reduce_first in (False, True):
+            model = Transformer(cfg)
+            model.init_weights(seed=0)
+            apply_tp(model, init_device_mesh("cpu", (w,), mesh_dim_names=("tp",)), sequence_parallel=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+            with loss_parallel():
+                F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+            gains = sum(1 for p in model.parameters() if p.grad.placements[0].is_partial())
+            calls.clear()
+            if reduce_first:
+                reduce_partial_grads(model.parameters())
+            reduced = len(calls)
+            calls.clear()
+            optimizer.step()
+            got["reduced" if reduce_first else "left"] = {"partial gains": gains, "in reduce_partial_grads": reduced,
+                                                         "in AdamW's step": len(calls)}
+        return got
+    finally:
+        funcol.all_reduce = real
 
 
 if __name__ == "__main__":
