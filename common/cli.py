@@ -27,7 +27,7 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     p = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     g = p.add_argument_group("shared by every script")
-    g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: small)")
+    g.add_argument("--model", default="small", help=f"model preset: {', '.join(PRESETS)} (default: %(default)s)")
     g.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary (default: 256, one token per byte, or a prepared --data's "

@@ -100,7 +100,8 @@ def test_the_preemption_section_quotes_train_slurm():
     assert VALUES["slurm.shutdown-timeout"]() in re.search(r"--shutdown-timeout (\d+)", slurm).group(0)
     assert f"--signal=B:USR1@{VALUES['slurm.warning']()}" in slurm
     text = " ".join(page.split())
-    assert "SIGTERM at once" in text and "min(GraceTime + KillWait" in text, "the preemption window"
+    assert "SIGTERM at once" in text and "GraceTime + min(KillWait, torchrun's shutdown timeout)" in text \
+        and "a timer that Slurm's second SIGTERM starts again" in text, "the preemption window"
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "`torchrun --help`" in readme and "below 2.13" not in readme.lower()
 

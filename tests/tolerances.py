@@ -105,13 +105,15 @@ def check_dry_run(dry: dict, real: dict, rank: int, world: int, received: int = 
     assert {k: v["bytes"] for k, v in sent.items()} == {k: v["bytes"] for k, v in real["comm"][rank].items()}
 
 
-def dry_runs(runs: list[dict], out, timeout_s: float) -> dict[str, dict]:
+def dry_runs(runs: list[dict], out, timeout_s: float, env: dict | None = None) -> dict[str, dict]:
     """Run dry runs ({"name", "script", "argv"}, each with its --fake-world-size and
     --fake-rank) one after another in one plain python process (tools/multirun.py: one
     torch start-up for all); their summaries by name, each written to out/NAME. Three steps
     each, the second traced and the third counted, as in the real runs they are held to
-    (the first two do one-time work: DDP rebuilds its buckets in the second)."""
+    (the first two do one-time work: DDP rebuilds its buckets in the second). ``env``: what
+    the process's environment changes (TUTORIAL_CUDA_PATHS=0: the CPU's own AdamW loop)."""
     import json
+    import os
     import sys
 
     import launch
@@ -120,7 +122,7 @@ def dry_runs(runs: list[dict], out, timeout_s: float) -> dict[str, dict]:
     runs = [{**r, "argv": [*r["argv"], "--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--device", "cpu",
                            "--out", str(out / r["name"])]} for r in runs]
     p = launch.run([sys.executable, "tools/multirun.py", "--runs", json.dumps(runs)], cwd=ROOT,
-                   capture_output=True, text=True, timeout=timeout_s)
+                   capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("collectives are skipped") == len(runs), p.stdout[-2000:]
     return {r["name"]: json.loads((out / r["name"] / "summary.json").read_text()) for r in runs}

@@ -288,6 +288,7 @@ VALUES = {
                                               - sum(_num(_cell("est-8b", "single device", c))
                                                     for c in ("parameters", "gradients", "AdamW state")), 0),
     "est-8b.zero1-adamw": lambda: _gib(_num(_cell("est-8b", "zero1 on 4", "AdamW state")), 0),
+    "est-8b.zero1-peak": lambda: _gib(_num(_cell("est-8b", "zero1 on 4", "peak"))),
     "est-8b.zero3-peak": lambda: _gib(_num(_cell("est-8b", "fsdp_zero3 on 4", "peak"))),
     "est-8b.zero3-spare": lambda: _gib(_num(_grab("est-8b", r"fits = peak <= ([\d.]+) GiB"))
                                        - _num(_cell("est-8b", "fsdp_zero3 on 4", "peak")), 0),

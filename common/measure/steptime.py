@@ -58,7 +58,9 @@ seconds on a machine, per rank, as a sum of named terms a learner can read:
                bytes a parameter, or 40 fused (``ADAMW_BYTES``, by ``Plan.optimizer``;
                tests/test_claims.py counts them on the real optimizer). A calibrated CPU times
                it instead (clipping, AdamW's step and zeroing the gradients on our model's
-               parameters): seconds a parameter, times the parameters this rank updates.
+               parameters): seconds a parameter, times the parameters this rank updates. Under
+               ZeRO-1 a rank clips every gradient but updates 1/W of the parameters: the
+               clipping's 12 bytes count for all of them.
 
   DTensor dispatch
                only on a calibrated CPU, under TP: DTensor's own work on every call (finding
@@ -256,21 +258,27 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
                 return collective_time(op, calls * numel * width, sg, link, calls)
             gather_fwd = t("all_gather", root, pbytes) + t("all_gather", block, pbytes, n_layers)
             gather_bwd = t("all_gather", block, pbytes, n_layers) if again else 0.0
+            # --split-root-unit: the embedding's unit is gathered again for backward under ZeRO-3, as a
+            # block's is, and it is the one reduced last (the head's as soon as backward leaves it)
+            emb = math.prod(shapes.get("tok_embeddings.weight", (0,)))
+            gather_bwd += t("all_gather", emb, pbytes) if plan.split_root and again else 0.0
+            last = emb if plan.split_root else root
             first = t("all_gather", root, pbytes) + t("all_gather", block, pbytes)  # nothing to hide it under
             ag = _comm(machine, "all_gather", b["all_gather"], sg, stride)
             ag.time = gather_fwd + gather_bwd
             ag.exposed = first + max(0.0, gather_fwd - first - forward)
             rs = _comm(machine, "reduce_scatter", b["reduce_scatter"], sg, stride)
             rs.time = t("reduce_scatter", root, 4) + t("reduce_scatter", block, 4, n_layers)
-            under_backward = gather_bwd + rs.time - t("reduce_scatter", root, 4)
+            under_backward = gather_bwd + rs.time - t("reduce_scatter", last, 4)
             extra = []
             if "all_reduce" in b:  # HSDP: the replicas all-reduce each reduced shard, under backward too
                 ar = _comm(machine, "all_reduce", b["all_reduce"], group // sg, sg * stride, calls=n_layers + 1)
                 under_backward += ar.time
                 extra.append(ar)
-            # the root unit (embedding, output) is reduced last, after backward: exposed; so is
-            # whatever did not fit under backward (charged to the reduce-scatter)
-            rs.exposed = t("reduce_scatter", root, 4) + max(0.0, under_backward - backward)
+            # the root unit (embedding, output; with --split-root-unit the embedding's) is reduced
+            # last, after backward: exposed; so is whatever did not fit under backward (charged to
+            # the reduce-scatter)
+            rs.exposed = t("reduce_scatter", last, 4) + max(0.0, under_backward - backward)
             comms += [ag, rs, *extra]
             norm = _comm(machine, "all_reduce (grad norm)", b["all_reduce (grad norm)"], group, stride)
             norm.exposed = norm.time
@@ -280,6 +288,11 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
         for op, v in tp_bytes_per_step(stage_cfg, plan.batch // dp, plan.seq_len, plan.sequence_parallel,
                                        DTYPE_BYTES[dtype], None if fsdp and dp > 1 else 4, k).items():
             c = _comm(machine, op, v, tp, 1, calls=4 * n_layers + 2 + k)
+            c.exposed = c.time
+            comms.append(c)
+        if plan.sequence_parallel and not (fsdp and dp > 1):  # the norm gains' Partial gradients, summed once
+            gains = [math.prod(s) for name, s in shapes.items() if name.endswith("norm.weight")]
+            c = _comm(machine, "all_reduce (norm gains)", 4 * sum(gains), tp, 1, calls=len(gains))
             c.exposed = c.time
             comms.append(c)
     bubble = 0.0
@@ -315,9 +328,13 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
             c.exposed = c.time
     exposed = sum(c.exposed for c in comms)
 
-    # the optimizer: the parameters this rank updates (splits.py's shards)
-    updated = n_local / ((plan.shard if kind.startswith("hsdp") else group) if fsdp else group if kind == "zero1" else 1)
-    optimizer = updated * (machine.adamw_s_per_param or optimizer_bytes(plan.optimizer) / machine.hbm)
+    # the optimizer: clipping reads and scales every gradient the rank holds (its shards under FSDP,
+    # all of them under ZeRO-1), AdamW updates the parameters it owns (splits.py's shards)
+    clipped = n_local / ((plan.shard if kind.startswith("hsdp") else group) if fsdp else 1)
+    updated = clipped / (group if kind == "zero1" else 1)
+    per_byte = machine.adamw_s_per_param / optimizer_bytes(plan.optimizer) if machine.adamw_s_per_param \
+        else 1 / machine.hbm
+    optimizer = (clipped * CLIP_BYTES + updated * ADAMW_BYTES[plan.optimizer]) * per_byte
 
     # More ranks on a node than compute units (4 ranks on 2 CPU cores): the ranks take turns.
     # Everything above runs at one unit's rate; while all ranks compute, each gets units/ranks

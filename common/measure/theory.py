@@ -255,7 +255,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                                          fsdp and plan.dp > 1)
               for k, ac in ((checkpointed, plan.ac), (n_layers - checkpointed, "none")) if k)
     head = head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel, plan.sequence_parallel,
-                                 fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")), head_loss=plan.head_loss,
+                                 # FSDP's root hands the loss fp32 logits (output_dtype), under 2-D too
+                                 fp32_logits=plan.strategy.startswith(("fsdp", "hsdp")) or (fsdp and plan.dp > 1),
+                                 head_loss=plan.head_loss,
                                  loss_chunks=plan.loss_chunks) if "output.weight" in shapes else 0
     act += head
     act *= in_flight
