@@ -476,7 +476,8 @@ def test_sequence_parallel_trades_all_reduce_for_gather_and_scatter(runs):
     # the norm gains' gradients, left Partial by backward, summed once before clipping and AdamW
     # (common/training.py:reduce_partial_grads): 4 x dim bytes each, one call each
     gains = 2 * cfg.n_layers + 1
-    assert (comm["all_reduce (norm gains)"]["bytes"], comm["all_reduce (norm gains)"]["calls"]) == (4 * cfg.dim * gains, gains)
+    summed = comm["all_reduce (norm gains)"]
+    assert (summed["bytes"], summed["calls"]) == (4 * cfg.dim * gains, gains)
     # on the wire: exactly what the all-reduces they replace cost (ring all-reduce = reduce-scatter + all-gather)
     no_sp = tp_bytes_per_step(cfg, BATCH, SEQ, False)["all_reduce"] * 2 * 3 / 4
     assert comm["all_gather"]["wire_bytes"] + comm["reduce_scatter"]["wire_bytes"] == pytest.approx(no_sp)

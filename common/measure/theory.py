@@ -5,13 +5,13 @@ holds and sends (``predict``), and that prediction beside the measurement at the
 The bytes it adds up are common/measure/formulas.py's (model state, activations,
 communication, one definition each); the parameters each rank holds, common/measure/splits.py's.
 
-The peak is the largest of five moments (``_peak``, two more where they apply): the end of forward (no gradients yet
-when the last step freed them, autocast's cache still full), the loss's backward, the start
-of backward (one block rebuilt), the end of backward (every gradient), and the optimizer step, where CUDA's
-default foreach AdamW holds sqrt(v) for every parameter at once (4 bytes a parameter); under
-DDP a sixth, the second step's start, where DDP rebuilds its gradient buckets, and, accumulating
-without FSDP, the moment a later micro-batch's output-layer gradient lands. At
-1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
+The peak is the largest of five moments (``_peak``, two more where they apply): the end of
+forward (no gradients yet when the last step freed them, autocast's cache still full), the
+loss's backward, the start of backward (one block rebuilt), the end of backward (every
+gradient), and the optimizer step, where CUDA's default foreach AdamW holds sqrt(v) for
+every parameter at once (4 bytes a parameter); under DDP a sixth, the second step's start,
+where DDP rebuilds its gradient buckets, and, accumulating without FSDP, the moment a later
+micro-batch's output-layer gradient lands. At 1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
 1.5% of what an H200 measured: the allocator's peak for fp32 and bf16 autocast, the memory
 tracer's for selective and full AC (the optimizer step, 20N exactly), whose allocator peak
 also held an earlier run (tools/estimate.py's gpu_1b_peaks). ``python -m tools.saved_census --device cuda`` lists
@@ -99,9 +99,9 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
       8 bytes an element of the largest, a large vocabulary's output layer), and
       ``--fused-adamw`` runs one kernel that holds none (``plan.optimizer``).
     FSDP's gathered weights count at every moment but the optimizer step (one block fewer at
-    the loss's backward; under ZeRO-2 every unit, but at the end of backward only what ZeRO-3 keeps); its unsharded gradients (one block's, while FSDP reduce-scatters
-    them) from the start of backward on. A pipeline stage's receive buffers (``PP_RECV``)
-    count at every moment.
+    the loss's backward; under ZeRO-2 every unit, but at the end of backward only what ZeRO-3
+    keeps); its unsharded gradients (one block's, while FSDP reduce-scatters them) from the
+    start of backward on. A pipeline stage's receive buffers (``PP_RECV``) count at every moment.
     Returns (peak, which moment, the optimizer's temporaries).
     """
     state_bytes = out["optimizer state"]
@@ -117,7 +117,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     at_loss = base - sum(v for k, v in transient.items() if "FSDP" in k) + out.get("FSDP at the loss", 0)
     # foreach: half the state, one fp32 value a parameter (the few bytes of step counters aside);
     # for-loop: the largest tensor's sqrt(v) and its quotient by the bias correction, alive together
-    temporaries = {"foreach": state_bytes // 2, "for-loop": 2 * 4 * out.get("largest tensor", 0)}.get(plan.optimizer, 0)
+    temporaries = {"foreach": state_bytes // 2,
+                   "for-loop": 2 * 4 * out.get("largest tensor", 0)}.get(plan.optimizer, 0)
     full = out["parameters"] + out["gradients"] + state_bytes
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
     moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
@@ -378,7 +379,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             comm[k] = comm.get(k, 0) + v
         if plan.sequence_parallel and not (fsdp and plan.dp > 1):
             # the norm gains' gradients, left Partial by backward, summed once (reduce_partial_grads)
-            comm["all_reduce (norm gains)"] = 4 * sum(math.prod(s) for k, s in shapes.items() if k.endswith("norm.weight"))
+            comm["all_reduce (norm gains)"] = 4 * sum(math.prod(s) for k, s in shapes.items()
+                                                      if k.endswith("norm.weight"))
     if plan.pp > 1:
         # the residual stream crosses the stages: fp32 under autocast and out of FSDP's root
         comm |= pp_bytes_per_step(cfg, plan.batch // plan.dp, plan.seq_len, plan.pp, stage, loops,
