@@ -24,9 +24,10 @@ from tests.tolerances import (PARITY_RTOL, TIGHT_RTOL, check_allocator, check_bf
 CFG = get_config("debug")
 N = count_params(CFG)
 T = len(param_shapes(CFG))
-FP32_RUNS = ("ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp", "hsdp_2x1", "ddp_ac",
-             "fsdp_ac", "ddp_compile", "fsdp_compile", "fsdp_savers", "ddp_savers", "fsdp_offload")
-BYTE_RUNS = FP32_RUNS[:8]  # the runs whose bytes the formulas are held to
+FP32_RUNS = ("ddp", "ddp_accum", "zero1", "fsdp_zero3", "fsdp_zero2", "fsdp_accum", "hsdp", "hsdp_2x1", "hsdp_zero2",
+             "ddp_ac", "fsdp_ac", "ddp_compile", "fsdp_compile", "fsdp_savers", "ddp_savers", "fsdp_offload")
+BYTE_RUNS = FP32_RUNS[:9]  # the runs whose bytes the formulas are held to
+SHARD = {"hsdp": 2, "hsdp_2x1": 1, "hsdp_zero2": 2}  # HSDP's shard group
 
 
 def _plan(batch: int, *runs: str) -> dict:
@@ -45,6 +46,7 @@ def _plan(batch: int, *runs: str) -> dict:
         "fsdp_offload": ["fsdp", fp32 + ["--cpu-offload"]],  # CPUOffloadPolicy, the host being the device
         "hsdp": ["fsdp", fp32 + ["--hsdp", "2", "2"]],
         "hsdp_2x1": ["fsdp", fp32 + ["--hsdp", "2", "1"]],
+        "hsdp_zero2": ["fsdp", fp32 + ["--hsdp", "2", "2", "--no-reshard-after-forward"]],
         # activation checkpointing recomputes the same fp32 ops: the losses of AC off
         "ddp_ac": ["ddp", fp32 + ["--ac", "full", "--no-trace-memory"]],
         "fsdp_ac": ["fsdp", fp32 + ["--ac", "selective", "--no-trace-memory"]],
@@ -78,7 +80,7 @@ PLANS = {
              "ddp_compile", "fsdp_compile", "reference_bf16", "ddp_bf16", "fsdp_bf16", "ddp_profile", "fsdp_profile",
              "ddp_syncs", "fsdp_savers", "ddp_savers", "fsdp_offload"),
     3: _plan(6, "ddp", "fsdp_zero3"),
-    4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "bf16_ac", "reference_bf16", "ddp_bf16",
+    4: _plan(4, "ddp", "zero1", "fsdp_zero3", "fsdp_zero2", "hsdp", "hsdp_zero2", "bf16_ac", "reference_bf16", "ddp_bf16",
              "zero1_bf16", "fsdp_bf16", "bad_batch", "bad_accum", "bad_hsdp"),
 }
 
@@ -249,9 +251,9 @@ def _state(run, rank):
 
 def test_model_state_per_rank_is_the_formula(job):
     w = job["world"]
-    for name, run in _runs(job, ["ddp", "fsdp_zero3", "fsdp_zero2", "hsdp"]):
-        shard = 2 if name == "hsdp" else w
-        strategy = "ddp" if name == "ddp" else name.replace("hsdp", "hsdp_zero3")
+    for name, run in _runs(job, ["ddp", "fsdp_zero3", "fsdp_zero2", "hsdp", "hsdp_zero2"]):
+        shard = SHARD.get(name, w)
+        strategy = {"hsdp": "hsdp_zero3"}.get(name, name)
         assert len(run["summary"]["memory"]) == w, "every rank's trace"
         for rank in range(w):
             want = model_state(strategy, CFG, w, rank, shard=shard)
@@ -290,8 +292,8 @@ def test_bytes_communicated_per_step_are_the_formula(job):
     w = job["world"]
     for name, run in _runs(job, BYTE_RUNS):
         strategy = {"ddp_accum": "ddp", "fsdp_accum": "fsdp_zero3"}.get(name, name)
-        strategy = "hsdp_zero3" if name.startswith("hsdp") else strategy
-        want = comm_bytes(strategy, CFG, w, shard={"hsdp": 2, "hsdp_2x1": 1}.get(name),
+        strategy = {"hsdp": "hsdp_zero3", "hsdp_2x1": "hsdp_zero3"}.get(name, strategy)
+        want = comm_bytes(strategy, CFG, w, shard=SHARD.get(name),
                           accum=2 if name == "fsdp_accum" else 1)
         for rank, got in enumerate(run["summary"]["comm"]):
             # The bytes of the traced step, step 2: after DDP's one-time bucket rebuild in
@@ -306,7 +308,7 @@ def test_bytes_communicated_per_step_are_the_formula(job):
             assert got == mine, (name, rank)
         calls = run["summary"]["comm"][0]
         # what a ring sends: 2(n-1)/n of an all-reduce, (n-1)/n of the others, n = the group's size
-        groups = {"all_reduce": w // 2, "all_gather": 2, "reduce_scatter": 2} if name == "hsdp" else {}
+        groups = {"all_reduce": w // 2, "all_gather": 2, "reduce_scatter": 2} if SHARD.get(name) == 2 else {}
         for kind, c in calls.items():
             kind = kind.split(" (")[0]  # "all_reduce (grad norm)" is an all-reduce
             g = groups.get(kind, w)
