@@ -275,7 +275,9 @@ def clip_grad_norm(params, max_norm: float, pp_group=None, local: bool = False) 
     of it and counted once over those that hold copies. Two things it does not do, hence
     the lines below: a model whose gradients are partly DTensors and partly plain tensors
     (TP leaves the norms' weights plain) is summed group by group, and a pipeline's stages,
-    each holding other parameters, add their sums of squares over ``pp_group``.
+    each holding other parameters, add their sums of squares over ``pp_group``. First,
+    sequence parallelism's Partial gradients are summed once (``reduce_partial_grads``): the
+    norm would sum them right by itself, but AdamW would sum them again at every use.
 
     ``local``: the wrong way, for the lesson: each rank clips by the norm of what it holds.
     """

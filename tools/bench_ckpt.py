@@ -88,8 +88,8 @@ def main(argv=None):
         stalled = statistics.median(rows[s]["step_time_s"] for s in after)
         print(f"| {name} | {plain * 1e3:,.0f} ms | {stalled * 1e3:,.0f} ms | {(stalled - plain) * 1e3:+,.0f} ms "
               f"({stalled / plain:.2f}x) |")
-    print(f"The background writes took {', '.join(f'{w:.1f} s' for w in summary['ckpt_write_s'])} while training "
-          f"went on; the host copy held {fmt_bytes(summary['ckpt_staging_bytes'])}. Losses equal in both runs: "
+    print(f"The background writes took {', '.join(f'{w:.1f} s' for w in summary['ckpt_write_s'])} (training went "
+          f"on beside each but the last, the final checkpoint's); the host copy held {fmt_bytes(summary['ckpt_staging_bytes'])}. Losses equal in both runs: "
           f"{[r['loss'] for r in runs['synchronous'][0]] == [r['loss'] for r in rows]}.")
 
 
