@@ -138,8 +138,9 @@ CASES = {
     # tools/multirun.py on meshes shared between runs of one job.
     "3d": [
         case("3d_pp_tp", THREE_D, "--model", "debug"),  # the default 4-rank layout: pp 2 x dp 1 x tp 2
+        # with --ac full: the weight half's calls share one recomputation (pp.py's Stage) under TP too
         case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv",
-             "--fused-adamw"),
+             "--fused-adamw", "--ac", "full"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
              "--schedule", "gpipe", *CURVE),
         case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
