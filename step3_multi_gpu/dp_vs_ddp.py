@@ -73,7 +73,7 @@ What it would show, for the {args.model} model ({count_params(args.model_config)
 W = {b(t['weights'])} of fp32 weights) on n = {n} GPUs, global batch {args.global_batch_size} x {args.seq_len} tokens.
 Bytes per step, summed over the links:
 
-  nn.DataParallel: one process; one Python thread (one interpreter lock) launches every GPU's work.
+  nn.DataParallel: one process; a Python thread per GPU, all under one interpreter lock, launches their work.
     copy the weights from GPU 0 to the other GPUs, before the forward:  (n-1) W = {b(t['dp_replicate'])}
     sum the replicas' gradients onto GPU 0, after the backward:          (n-1) W = {b(t['dp_reduce'])}
     gather the logits onto GPU 0 to compute the loss:                     {b(t['dp_gather_logits'])}
@@ -84,7 +84,7 @@ Bytes per step, summed over the links:
 
   About the same bytes; what differs is who moves them and when. DP funnels every copy
   through GPU 0, does them before and after the compute instead of during it, and drives
-  all GPUs from one Python thread; DDP overlaps its all-reduce with the backward pass and
+  all GPUs from threads under one interpreter lock; DDP overlaps its all-reduce with the backward pass and
   has no hub. Expected: the same losses (same seed, same global batches), more tokens/s with
   DDP, and a higher peak memory on DP's GPU 0 than on its other GPUs, where DDP's are even.
   (These are expectations: this machine cannot measure them.)
