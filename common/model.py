@@ -445,8 +445,9 @@ class Transformer(nn.Module):
             std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.empty(p.shape).normal_(0.0, std, generator=g)
-            if isinstance(p, DTensor):  # sharded (FSDP/TP): keep only this rank's piece
-                full = distribute_tensor(full, p.device_mesh, p.placements)
+            if isinstance(p, DTensor):  # sharded (FSDP/TP): every rank drew the same whole tensor, so each
+                # keeps its own piece (src_data_rank=None: no scatter from rank 0, no communication)
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.copy_(full)
 
 

@@ -126,7 +126,7 @@ def chapter2(suffix: str = "") -> dict[str, str]:
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
             f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
             f"by step in one process (`python step2_memory/bench_memory_savers.py --steps {info['rounds']}`; medians in "
-            f"runs/figs/02_bench{suffix}/bench.md){load}. Matmul FLOPs: the matrix multiplies of one step{counted}, "
+            f"runs/figs/02_bench{suffix}/bench.md, which `python -m tools.figures --only 02` writes){load}. Matmul FLOPs: the matrix multiplies of one step{counted}, "
             f"recomputation included, counted by PyTorch's FlopCounterMode.\n\n"
             + markdown_table(list(runs.values()), commands, step_times=times, flops=flops))
     (figs / f"02_table{suffix}.md").write_text(text)
@@ -148,7 +148,8 @@ def float8_table(suffix: str = "") -> dict[str, str]:
     """Step 2.6: float8 beside bf16, same model, batch and steps: the losses, the memory at
     the peak against the bf16 prediction, and the (CPU-emulated) step time."""
     rows = ["| run | command | largest loss gap to bf16 | final loss | parameters | gradients | optimizer state | "
-            "activations (predicted for bf16) | other | peak | allocator's peak | step time |", "|" + "---|" * 12]
+            "activations | other | peak | allocator's peak | activations at their own peak (predicted for bf16) | "
+            "step time |", "|" + "---|" * 13]
     ref = [json.loads(x)["loss"] for x in (run_dir("02_float8/bf16", suffix) / "metrics.jsonl").read_text().splitlines()]
     for name, label, cmd in (("bf16", "AMP bf16", "python step2_memory/train_amp.py"),
                              ("float8", "float8 + bf16", "python step2_memory/train_float8.py")):
@@ -157,11 +158,13 @@ def float8_table(suffix: str = "") -> dict[str, str]:
         loss = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
         gap = max(abs(a - b) / a for a, b in zip(ref, loss))
         m, pred = s["memory"][0]["at_peak"], s["predicted"]["per_rank"][0]
-        cells = [fmt_bytes(m[c], ".1f") for c in ("parameters", "gradients", "optimizer state")]
-        act = f"{fmt_bytes(m['activations'], '.1f')} ({fmt_bytes(pred['activations'], '.1f')})"
-        rows.append(f"| {label} | `{cmd}` | {gap:.2%} | {s['final_loss']:.4f} | {' | '.join(cells)} | {act} | "
+        cells = [fmt_bytes(m[c], ".1f") for c in ("parameters", "gradients", "optimizer state", "activations")]
+        # the formula's activations are their own peak (theory.py), not their share of the step's peak
+        own = s["memory"][0]["peak_by_category"]["activations"]
+        act = f"{fmt_bytes(own, '.1f')} ({fmt_bytes(pred['activations'], '.1f')})"
+        rows.append(f"| {label} | `{cmd}` | {gap:.2%} | {s['final_loss']:.4f} | {' | '.join(cells)} | "
                     f"{fmt_bytes(m['other'], '.1f')} | **{fmt_bytes(s['memory'][0]['peak_bytes'], '.1f')}** | "
-                    f"{_allocator_peak(s['memory'][0])} | {s['step_time_s'] * 1e3:,.0f} ms |")
+                    f"{_allocator_peak(s['memory'][0])} | {act} | {s['step_time_s'] * 1e3:,.0f} ms |")
     s = summary("02_float8/float8", suffix)
     head = (f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']}, {s['steps']} steps, "
             f"{s['device_name']}; float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "

@@ -50,8 +50,8 @@ _MP4 = dict(nproc=4, job="4_ranks_model_parallel")
 _CLIP = ["--model", "small", "--n-layers", "4", "--global-batch-size", "8", "--seq-len", "64", "--steps", "8",
          "--eval-batches", "0", "--no-trace-memory", "--max-norm", "0.5", "--amp", "off"]
 STRATEGIES = "03_strategies/"  # the folder of the runs the chapter 3b table and the comparison read
-BF16_AC = "03_bf16_ac/"
-DRY_RUN = "03_dry_run_1b_fsdp8"  # a dry run of one rank (--fake-world-size)  # the same strategies in bf16 with full activation checkpointing
+BF16_AC = "03_bf16_ac/"  # the same strategies in bf16 with full activation checkpointing
+DRY_RUN = "03_dry_run_1b_fsdp8"  # a dry run of one rank (--fake-world-size)
 _BF16_AC_RUNS = [("ddp", "step3_multi_gpu/train_ddp.py", []), ("fsdp", "step3_multi_gpu/train_fsdp.py", []),
                  ("tp", _TP, []), ("pp_1f1b", _PP, ["--schedule", "1f1b", "--microbatches", "8"]),
                  ("2d", _2D, ["--tp", "2"])]

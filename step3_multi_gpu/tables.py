@@ -16,7 +16,7 @@ The formulas of the chapter (N parameters in fp32, W ranks, AdamW):
 
 The functions here make them exact for the tests, to the byte:
 - AdamW's ``step`` counter is a 4-byte fp32 tensor per parameter tensor (on the CPU;
-  on CUDA it stays on the host unless ``capturable``), so the state is 8N + 4T bytes;
+  on CUDA it stays on the host unless ``capturable`` or ``fused``), so the state is 8N + 4T bytes;
 - FSDP shards each parameter along dim 0 in W chunks of ceil(rows / W) rows (the last
   ones shorter or empty) and pads its own storage, so parameters, gradients and the
   all-gathers are counted with the padded chunk, the AdamW state with the real one;

@@ -9,7 +9,7 @@ rank (plain python runs it as a single rank):
     torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --hsdp 2 2                  # HSDP
     torchrun --nproc-per-node 4 step3_multi_gpu/train_fsdp.py --ac full --compile
 runs/train_fsdp/memory_trace.png has one panel per rank: 16N/W bytes of model state, plus
-the one or two blocks whose parameters are gathered at any moment.
+the root unit (gathered from forward to backward) and the one or two blocks gathered at a time.
 
 Step 2's savers come along (--amp bf16, the default, or off; --ac, --compile, --fused-adamw,
 --grad-accum), each applied the way the strategy wants it: DDP autocasts its whole fp32

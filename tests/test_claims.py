@@ -407,15 +407,12 @@ def test_torchtitan_fsdp_tp_row_at_its_published_settings():
     predicted at those settings (their per-op SAC: --ac selective-op): 5,841 tokens/s a GPU against
     their 4,378 (1.33x), 718 ms of its 2,104 ms step TP's exposed collectives (the eager,
     local-batch-2 guess printed beside it)."""
-    from common.measure.machines import GPUS
-    from common.measure.steptime import step_time
-    from tools.plan import torchtitan_rows
+    from tools.plan import torchtitan_rows, torchtitan_tp_as_first_assumed
     (row,) = [r for r in torchtitan_rows() if "TP 8" in r["what"]]
     p = row["plan"]
     assert (p.world, p.tp, p.dp, p.batch, p.seq_len, p.ac, p.sequence_parallel) == (64, 8, 8, 96, 8192,
                                                                                    "selective-op", True)
-    old = step_time(Plan(p.cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
-                                device="cuda", optimizer="foreach"), GPUS["torchtitan"])
+    old = torchtitan_tp_as_first_assumed(p.cfg)
     t = row["time"]
     print(f"ours {row['ours']:,.0f} against {row['theirs']:,} ({row['ours'] / row['theirs']:.2f}x); exposed "
           f"communication {t['exposed communication'] * 1e3:,.0f} of {t['step'] * 1e3:,.0f} ms; the old assumption "

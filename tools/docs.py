@@ -265,7 +265,7 @@ VALUES = {
     "f8.unseen": lambda: re.search(r"\(([\d.]+ \w?i?B) unseen\)",
                                    _cell("table-02-float8", "float8 + bf16", "allocator's peak")).group(1),
     "f8.overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("float8 + bf16") - 1),
-    "f8.amp-overstate": lambda: "{:.0%}".format(_f8_predicted() / _f8_act("AMP bf16") - 1),
+    "f8.amp-match": lambda: "{:.1%}".format(abs(_f8_predicted() / _f8_act("AMP bf16") - 1)),
     "f8.predicted": lambda: f"{_f8_predicted():.1f}",
     "f8.act": lambda: f"{_f8_act('float8 + bf16'):.1f} MiB",
     # step 3a: the ZeRO runs
@@ -391,6 +391,11 @@ VALUES = {
     "tt-layout.reserved-at-h200": lambda: _gib(_tt_peak(3) * _dry8b("reserved") / _dry8b("allocated")),
     "tt-layout.left-at-h200": lambda: _gib(_usable("est-torchtitan-8b") - _tt_peak(3) * _dry8b("reserved")
                                            / _dry8b("allocated")),
+    # the same ratio on the trace's peak (FakeTensorMode, the CPU's kernels), and how far it lands over
+    "tt-layout.trace-peak": lambda: _gib(_tt_trace_peak()),
+    "tt-layout.trace-reserved-at-h200": lambda: _gib(_tt_trace_peak() * _dry8b("reserved") / _dry8b("allocated")),
+    "tt-layout.trace-over-at-h200": lambda: _gib(_tt_trace_peak() * _dry8b("reserved") / _dry8b("allocated")
+                                                 - _usable("est-torchtitan-8b")),
     # the planner's choices, and torchtitan's runs against its predictions
     "plan-1node.peak": lambda: f"{_num(_plan_row('plan-8b-1node', 1)[2]):.0f} GiB",
     "plan-1node.op-saves": lambda: f"{_num(_plan_row('plan-8b-1node', 1)[2]) - _num(_plan_row('plan-8b-1node', 2)[2]):.0f} GiB",
@@ -417,6 +422,7 @@ VALUES = {
     "tt.tp-ratio": lambda: _tt(_TP, "ours/theirs") + "x",
     "tt.tp-ours": lambda: _tt(_TP, "ours"),
     "tt.tp-theirs": lambda: _tt(_TP, "tokens/s/GPU theirs"),
+    "tt.tp-old": lambda: _tt_tp_old(),
     "tt.tp-comm": lambda: _grab("plan-torchtitan", r"\| asyncTP.*exposed communication ([\d,]*\d)") + " ms",
     "tt.tp-step": lambda: "{:,.0f} ms".format(sum(_num(t) for t in re.findall(r"[a-z] ([\d,]+)", _tt(_TP, "where our step goes (ms)")))),
     "tt.tp-peak": lambda: f"{_num(_tt(_TP, 'ours (peak)')):.1f} GiB",
@@ -444,13 +450,26 @@ def _n_1b() -> int:
     return count_params(get_config("1b"))
 
 
+def _tt_tp_old() -> str:
+    """tokens/s a GPU the planner predicts for the asyncTP row at the settings it once assumed."""
+    from tools.plan import torchtitan_rows, torchtitan_tp_as_first_assumed
+    (row,) = [r for r in torchtitan_rows() if "TP 8" in r["what"]]
+    return f"{torchtitan_tp_as_first_assumed(row['plan'].cfg)['tokens_per_s_per_gpu']:,.0f}"
+
+
+def _tt_trace_peak() -> float:
+    """est-torchtitan-8b's traced peak (GiB): the peak row's second number."""
+    return _num(_grab("est-torchtitan-8b", r"peak \([^)]*\)\s+[\d.]+\s+([\d.]+)"))
+
+
 def _f8_act(row: str) -> float:
-    """table-02-float8's measured activations (MiB) of ``row``."""
-    return _num(_cell("table-02-float8", row, "activations (predicted for bf16)"))
+    """table-02-float8's measured activations at their own peak (MiB) of ``row``."""
+    return _num(_cell("table-02-float8", row, "activations at their own peak (predicted for bf16)"))
 
 
 def _f8_predicted() -> float:
-    return _num(_cell("table-02-float8", "float8 + bf16", "activations (predicted for bf16)").split("(")[1])
+    return _num(_cell("table-02-float8", "float8 + bf16", "activations at their own peak (predicted for bf16)"
+                      ).split("(")[1])
 
 
 def _range_pct(cells: list[str]) -> str:

@@ -5,8 +5,9 @@
     python -m tools.plan --torchtitan
     python -m tools.plan --calibrate --gpus 2 --model small --seq-len 128 --global-batch-size 8
 
-For each layout of the step-3 scripts (DDP, ZeRO-1, FSDP, HSDP, TP with and without SP, the
-pipeline schedules at several micro-batch counts, 2-D, 3-D and CP), under each activation
+For each layout of the step-3 scripts (DDP, ZeRO-1, FSDP, HSDP with and without resharding after
+forward, TP with and without SP, the pipeline schedules at several micro-batch counts, 2-D, 3-D
+under every schedule, and CP), under each activation
 checkpointing mode, the planner asks common/measure/theory.py (tools.estimate's formulas)
 for the fullest rank's peak memory and drops what does not fit the card, saying why; asks
 common/measure/steptime.py how long a step takes; and prints the fastest few: memory, the
@@ -156,17 +157,18 @@ def _layouts(cfg, world: int, per_node: int, batch: int, seq_len: int, dtype: st
             continue
         out += [Plan(cfg, s, **c) for s in ("ddp", "zero1", "fsdp_zero2", "fsdp_zero3")]
         for shard in divisors(world)[:-1]:  # HSDP: shard inside a node, replicate across (or in) nodes
-            if shard <= per_node:
-                out.append(Plan(cfg, "hsdp", shard=shard, **c))
+            if shard <= per_node:  # (hsdp_zero2: --no-reshard-after-forward)
+                out += [Plan(cfg, s, shard=shard, **c) for s in ("hsdp", "hsdp_zero2")]
         for sp in (False, True):
             out.append(Plan(cfg, "tp", sequence_parallel=sp, **c))
             out += [Plan(cfg, "2d", tp=tp, sequence_parallel=sp, **c) for tp in divisors(world)[:-1] if tp <= per_node]
         for schedule in SCHEDULES:  # train_pp.py: every rank a stage
             out += [Plan(cfg, "pp", schedule=schedule, microbatches=m, **c) for m in (world, 2 * world, 4 * world)]
-        for pp in divisors(world)[:-1]:  # train_3d.py: pp x dp x tp, 1F1B
+        for pp in divisors(world)[:-1]:  # train_3d.py: pp x dp x tp, every schedule
             for tp in divisors(world // pp):
                 if tp <= per_node and world // pp // tp > 1:
-                    out += [Plan(cfg, "2d", pp=pp, tp=tp, schedule="1f1b", microbatches=m, **c) for m in (pp, 2 * pp)]
+                    out += [Plan(cfg, "2d", pp=pp, tp=tp, schedule=schedule, microbatches=m, **c)
+                            for schedule in SCHEDULES for m in (pp, 2 * pp)]
         for cp in divisors(world):  # train_cp.py: dp groups of cp ranks, DDP or FSDP over every rank
             out += [Plan(cfg, s, cp=cp, **c) for s in ("cp", "cp_fsdp")]
     return out
@@ -553,6 +555,14 @@ TORCHTITAN = [
     ("asyncTP benchmark: FSDP 8 x TP 8 (+compile, local batch 12)", 64, 8, 8, 1, 12, 8192, "selective-op", True, 4378,
      None),
 ]
+
+
+def torchtitan_tp_as_first_assumed(cfg) -> dict:
+    """The asyncTP row as an earlier version of this planner assumed it (eager, our selective AC,
+    local batch 2 instead of compiled, per-op SAC and 12): step_time's answer, which the will-it-fit
+    page quotes as the settings that once hid a miss."""
+    return step_time(Plan(cfg, "2d", tp=8, world=64, batch=16, seq_len=8192, dtype="bf16", ac="selective",
+                          device="cuda", optimizer="foreach"), GPUS["torchtitan"])
 
 
 def torchtitan_rows() -> list[dict]:

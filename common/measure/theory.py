@@ -295,8 +295,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     out["activations"] = act
 
     # what comes and goes during the step, on top of the above
-    block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == str(
-        min(int(x.split(".")[1]) for x in shapes if x.startswith("layers.")))} if n_layers else {}
+    first = str(min(int(x.split(".")[1]) for x in shapes if x.startswith("layers."))) if n_layers else None
+    block = {k: v for k, v in shapes.items() if k.startswith("layers.") and k.split(".")[1] == first}
     block_n = sum(math.prod(s) for k, s in block.items() if not (plan.strategy == "ep" and is_expert(k)))
     if fsdp and plan.dp > 1:
         pbytes = DTYPE_BYTES[plan.dtype]
