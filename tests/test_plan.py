@@ -111,10 +111,17 @@ def test_planner_drops_what_does_not_fit_and_its_commands_parse(capsys):
     assert "> 75.65 GiB usable" in why[("ddp", "none")]
     assert fit and all(r["peak"] <= 75.65 * 2**30 for r in fit)
     assert [r["time"]["step"] for r in fit] == sorted(r["time"]["step"] for r in fit)
+    # every kind of layout the scripts run is enumerated: HSDP with and without resharding after
+    # forward, 3-D (pp x dp x tp) under every schedule train_3d.py takes
+    from common.parallelize.pp import SCHEDULES
+    assert {"hsdp", "hsdp_zero2"} <= {p.strategy for p in ps}
+    assert {p.schedule for p in ps if p.strategy == "2d" and p.pp > 1 and p.dp > 1} == set(SCHEDULES)
     # every kind of layout's command names a real script and flags it accepts
     kinds = {}
     for p in ps:
-        kinds.setdefault((p.strategy, p.pp > 1, p.sequence_parallel), p)
+        kinds.setdefault((p.strategy, p.pp > 1, p.sequence_parallel, p.schedule if p.pp > 1 else None), p)
+    (z2,) = [p for p in kinds.values() if p.strategy == "hsdp_zero2"]
+    assert {"--hsdp", "--no-reshard-after-forward"} <= set(shlex.split(command(z2, args, 4)))
     for p in kinds.values():
         cmd = shlex.split(command(p, args, 4))
         _, target, argv = split(cmd)
