@@ -175,23 +175,38 @@ RELEASED_AT_OUTPUT = "freed by the output layer's backward"
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
     """The last moment of an FSDP backward, less the parameter shards and AdamW state: the
     root unit (embedding, final norm, output layer) is the last to be reduce-scattered.
-    Its gathered weights are freed by then (FSDP reshards a unit before reducing it), but
-    its full-size gradients (in the compute dtype) and their copy into the reduce-scatter
-    buffer (fp32, the reduce dtype) are alive together, beside every other unit's gradient
-    shard and the logits the script still holds (fp32: the root's output dtype). Small with
-    a byte vocabulary; with a 128K one the root is larger than any block (measured at 1b,
-    rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the peak)."""
+    Its gathered weights are freed by then (FSDP reshards a unit before reducing it), and
+    FSDP's ``foreach_reduce`` copies its full-size gradients (in the compute dtype) into the
+    reduce-scatter buffer (fp32, the reduce dtype), beside every other unit's gradient shard
+    and the logits the script still holds (fp32: the root's output dtype). Then two moments,
+    the larger of which this returns: the copy-in, every full gradient and the buffer alive
+    together; and the reduce-scatter, after FSDP has dropped its list of the full gradients,
+    where the buffer, its fp32 output (this rank's shard of the root's gradients) and the
+    unit's last full gradient are alive: the loop over the gradients (``foreach_reduce``,
+    for FSDP groups of two or more ranks) leaves its variable bound to the last one until the
+    function returns. Dry runs of 2-D (an FSDP group of 2) at a 32K vocabulary peak there;
+    small with a byte vocabulary; with a 128K one the root is larger than any block
+    (measured at 1b, rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the
+    copy-in)."""
     root = {k: s for k, s in shapes.items() if is_root(k) and not (plan.split_root and not k.startswith(
         "tok_embeddings."))}  # --split-root-unit: the embedding's unit is the last to reduce
     if not root:
         return {}
     full = sum(padded_shard_numel(s, shard) * shard for s in root.values())
     own = 4 * sum(padded_shard_numel(s, shard) for s in root.values())
-    return {"other units' gradient shards": grads - own,
-            f"root's full gradients ({plan.dtype})": DTYPE_BYTES[plan.dtype] * full,
-            "root's fp32 reduce-scatter copy": 4 * full,
-            "logits still held (fp32)": 4 * tokens * (plan.cfg.vocab_size // plan.tp)
-            if "output.weight" in root and not plan.head_loss else 0}
+    last = padded_shard_numel(list(root.values())[-1], shard) * shard if shard > 1 else 0
+    logits = (4 * tokens * (plan.cfg.vocab_size // plan.tp)
+              if "output.weight" in root and not plan.head_loss else 0)
+    copy_in = {"other units' gradient shards": grads - own,
+               f"root's full gradients ({plan.dtype})": DTYPE_BYTES[plan.dtype] * full,
+               "root's fp32 reduce-scatter copy": 4 * full,
+               "logits still held (fp32)": logits}
+    reduce = {"other units' gradient shards": grads - own,
+              "root's fp32 reduce-scatter copy": 4 * full,
+              "root's reduce-scatter output (fp32)": own,
+              f"root's last full gradient ({plan.dtype}, still referenced)": DTYPE_BYTES[plan.dtype] * last,
+              "logits still held (fp32)": logits}
+    return reduce if sum(reduce.values()) > sum(copy_in.values()) else copy_in
 
 
 def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
