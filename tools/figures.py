@@ -58,10 +58,21 @@ def gpu_check_report(suffix: str = "") -> dict[str, str]:
     for p in reports:
         slug = p.stem.removeprefix("gpu_check_")
         pngs = sorted((ROOT / "figs").glob(f"*_cuda_{slug}.png"))
-        rows = [f"| {png.name.split('_cuda_')[0]} | [CPU](figs/{png.name.split('_cuda_')[0]}.png) | "
-                f"[{slug.upper()}](figs/{png.name}) |" for png in pngs]
-        figs = (f"\n\nThe memory figures of these runs, beside the CPU ones the chapters show (the same layout):\n\n"
-                f"| figure | CPU | CUDA |\n|---|---|---|\n" + "\n".join(rows)) if rows else ""
+        runs = {}  # the report's rows by run name: a figure NN_memory_trace_REST is run NN_REST's
+        if p.with_suffix(".json").exists():
+            runs = {r["name"]: r for r in json.loads(p.with_suffix(".json").read_text())["runs"]}
+        rows = []
+        for png in pngs:
+            name = png.name.split("_cuda_")[0]
+            run = runs.get(name.replace("_memory_trace_", "_", 1), {})
+            ratio = (f"{run['traced_peak_bytes'] / run['allocator_peak_bytes']:.3f}"
+                     if run.get("traced_peak_bytes") and run.get("allocator_peak_bytes") else "-")
+            rows.append(f"| {name} | [CPU](figs/{name}.png) | [{slug.upper()}](figs/{png.name}) | {ratio} |")
+        figs = (f"\n\nThe memory figures of these runs, beside the CPU ones the chapters show (the same kind of "
+                f"figure; the GPU's runs are the report's, at its sizes and ranks), with the report's traced / "
+                f"allocator ratio of the run: a ratio well below 1 is an allocator line that also holds what the "
+                f"report's note says earlier runs left alive, not the run's own memory:\n\n"
+                f"| figure | CPU | CUDA | traced / allocator |\n|---|---|---|---|\n" + "\n".join(rows)) if rows else ""
         parts.append(p.read_text().strip() + figs)
     return {"gpu-check": "\n\n".join(parts)}
 

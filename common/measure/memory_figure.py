@@ -9,7 +9,7 @@ from common.measure.byte_units import byte_unit, fmt_bytes
 from common.measure.memory_categories import CATEGORIES, STAGING, UNSEEN, categories
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
-          "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#8172B3"}
+          "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#64B5CD"}
 STACK_ORDER = ("parameters", "optimizer state", "gradients", "activations", "other")  # persistent at the bottom
 
 
