@@ -403,6 +403,10 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
         # the V schedules' weight half recomputed a checkpointed block once per parameter group (1.33, 1.22)
         "zbv_ac": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="zbv", ac="full", **kw), 0),
         "dualpipev_ac": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="dualpipev", ac="full", **kw), 0),
+        # ... and on the rank at the turn of the V, the gradients the input halves leave for the weight
+        # halves (every matmul's and norm's output gradient), seven micro-batch-stages of them in ZBV's
+        # cool-down (1.07 under the CPU's AdamW loop before they were counted)
+        "zbv_ac_turn": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="zbv", ac="full", **kw), 3),
         # DDP's bucket rebuild at the second step: every gradient twice (1.08, 1.29)
         "ddp_rebuild": (Plan(s8, "ddp", seq_len=16, **kw), 0),
         "zero1_rebuild": (Plan(s8, "zero1", seq_len=16, **kw | {"dtype": "fp32"}), 0),
@@ -425,7 +429,10 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
 
 # run again with the CPU's own one-tensor-at-a-time AdamW (the suite takes CUDA's foreach path):
 # where its temporaries of the largest tensor make the peak
-FOR_LOOP = ("pp_last", "zbv_ac", "ddp_rebuild")
+FOR_LOOP = ("pp_last", "zbv_ac", "ddp_rebuild", "zbv_ac_turn")
+# the one layout the formula still misses by more than 3%: the weight half's own casts while it
+# adds a micro-batch's weight gradients in (will_it_fit.md's "What dry runs taught the formula")
+WITHIN = {"zbv_ac_turn@for-loop": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +466,7 @@ def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
     CPU allocator's peak counts them."""
     f, (mem,) = _predicted(missed, name), missed[name]["memory"]
     measured = mem["allocator_peak_bytes"] if name.endswith("loss_parallel") else mem["peak_bytes"]
-    assert measured == pytest.approx(f["peak"], rel=0.03), (name, measured / f["peak"], f["peak_at"])
+    assert measured == pytest.approx(f["peak"], rel=WITHIN.get(name, 0.03)), (name, measured / f["peak"], f["peak_at"])
     if name.endswith("@for-loop"):
         assert missed[name]["optimizer_kernels"] == "for-loop" and f["optimizer temporaries"] > 0
     if name in ("fsdp_accum_bf16", "fsdp_accum_fp32", "3d", "ep_accum"):

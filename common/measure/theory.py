@@ -43,7 +43,7 @@ from dataclasses import replace
 from common.measure.formulas import (DTYPE_BYTES, _dp_comm, _state, amp_weight_copies,
                                      checkpointed_blocks, ckpt_staging_bytes, cp_bytes_per_step, ep_comm, ep_state,
                                      head_activation_bytes, is_expert, layer_activation_bytes, loss_backward_bytes,
-                                     moe_activation_extra, pp_bytes_per_step, tp_bytes_per_step)
+                                     moe_activation_extra, pp_bytes_per_step, tp_bytes_per_step, w_pending_bytes)
 from common.measure.plan import DP_STRATEGIES, Plan
 from common.measure.splits import (_loops, _rank_stages, is_root, padded_shard_numel, param_shapes, rank_shapes,
                                    shard_numel, stage_layers)
@@ -52,13 +52,16 @@ from common.parallelize.schedules import V_SCHEDULES, schedule_actions
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
 
 
-def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, float]) -> float:
+def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, float],
+                pending_per_microbatch: dict[int, float] | None = None) -> float:
     """The most a V-schedule rank holds at once of ``bytes_per_microbatch[stage]`` per live
     micro-batch of each of its two stages. A micro-batch's activations on a stage live from
     its forward ("F") to the end of its backward: the full backward ("B") or, where the
     schedule splits it, the weight half ("W"), which still needs the layers' saved inputs
-    after the input half ("I") has passed the gradient on. Counted along the order PyTorch's
-    schedule runs (common/parallelize/schedules.py:schedule_actions)."""
+    after the input half ("I") has passed the gradient on. ``pending_per_microbatch``: what
+    waits from a micro-batch's I to its W besides (``formulas.w_pending_bytes``), counted with
+    them. Counted along the order PyTorch's schedule runs
+    (common/parallelize/schedules.py:schedule_actions)."""
     m = plan.microbatches or plan.pp
     try:
         actions = schedule_actions(plan.schedule, plan.pp, m)[rank_stage]
@@ -67,11 +70,13 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
         first, back = sorted(bytes_per_microbatch)
         return min(m, 2 * plan.pp - rank_stage) * bytes_per_microbatch[first] + \
             min(m, rank_stage) * bytes_per_microbatch[back]
-    live = dict.fromkeys(bytes_per_microbatch, 0)
+    live, pending = dict.fromkeys(bytes_per_microbatch, 0), dict.fromkeys(bytes_per_microbatch, 0)
+    waits = pending_per_microbatch or {}
     peak = 0.0
     for kind, s, _ in actions:
         live[s] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
-        peak = max(peak, sum(n * bytes_per_microbatch[k] for k, n in live.items()))
+        pending[s] += {"I": 1, "W": -1}.get(kind, 0)
+        peak = max(peak, sum(n * bytes_per_microbatch[k] + pending[k] * waits.get(k, 0) for k, n in live.items()))
     return peak
 
 
@@ -111,6 +116,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     accumulated = transient.get(ACCUM_GRADS, 0) or (out["gradients"] if grads_live else 0)
     base = out["parameters"] + state_bytes + out["activations"] + accumulated
     base += sum(v for k, v in transient.items() if "FSDP" in k)
+    waiting = transient.get(W_PENDING, 0)  # from the first input half on: backward's moments only
     cache = sum(v for k, v in transient.items() if k.startswith("autocast"))
     rebuilt = sum(v for k, v in transient.items() if "recomputed" in k)
     loss = sum(v for k, v in transient.items() if k.startswith(LOSS_BACKWARD))
@@ -121,8 +127,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
                    "for-loop": 2 * 4 * out.get("largest tensor", 0)}.get(plan.optimizer, 0)
     full = out["parameters"] + out["gradients"] + state_bytes
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
-    moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
-               "start of backward": base + rebuilt,
+    moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss + waiting,
+               "start of backward": base + rebuilt + waiting,
                "end of backward": max(full + rebuilt + out.get("FSDP at the end of backward", 0),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
@@ -170,6 +176,7 @@ UNSHARDED_GRADS = "unsharded gradients (FSDP)"
 PP_RECV = "pipeline receive buffers (fp32 activations and their gradients)"
 NEW_OUTPUT_GRAD = "a later micro-batch's output-layer gradient, before it is added in"
 RELEASED_AT_OUTPUT = "freed by the output layer's backward"
+W_PENDING = "gradients waiting for the weight half (split backward)"
 
 
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
@@ -209,12 +216,14 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     return reduce if sum(reduce.values()) > sum(copy_in.values()) else copy_in
 
 
-def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
-    """A V-schedule rank's activations at their peak, and the most micro-batch-stages alive then
-    (each stage's forward casts its own bf16 RoPE tables): each stage's blocks (checkpointed
-    from its own first block) and, on the last stage, the head, weighted by its live micro-batches."""
+def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int, int]:
+    """A V-schedule rank's activations at their peak, the most micro-batch-stages alive then
+    (each stage's forward casts its own bf16 RoPE tables), and what the split backward keeps
+    waiting for the weight halves beside them at the two's joint peak (``W_PENDING``): each
+    stage's blocks (checkpointed from its own first block) and, on the last stage, the head,
+    weighted by its live micro-batches."""
     cfg, n_stages = plan.cfg, 2 * plan.pp
-    per_mb = {}
+    per_mb, waits = {}, {}
     for s in _rank_stages(plan, stage):
         n = len(stage_layers(cfg.n_layers, n_stages)[s])
         k = checkpointed_blocks(n, plan.ac, plan.ac_every)
@@ -223,7 +232,13 @@ def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int]:
         if s == n_stages - 1:
             per_mb[s] += head_activation_bytes(cfg, tokens, plan.dtype, plan.tp, plan.loss_parallel,
                                                plan.sequence_parallel)
-    return int(v_live_peak(plan, stage, per_mb)), int(v_live_peak(plan, stage, dict.fromkeys(per_mb, 1)))
+        # the first stage runs its whole backward in W: its I keeps nothing
+        waits[s] = 0 if s == 0 else (
+            n * w_pending_bytes(cfg, tokens, plan.dtype, plan.tp, plan.sequence_parallel)
+            + (w_pending_bytes(cfg, tokens, plan.dtype, plan.tp, plan.sequence_parallel, head=True)
+               if s == n_stages - 1 else 0))
+    act = int(v_live_peak(plan, stage, per_mb))
+    return act, int(v_live_peak(plan, stage, dict.fromkeys(per_mb, 1))), int(v_live_peak(plan, stage, per_mb, waits)) - act
 
 
 def _largest_local(plan: Plan, shapes: dict, shard: int) -> int:
@@ -277,10 +292,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                                  loss_chunks=plan.loss_chunks) if "output.weight" in shapes else 0
     act += head
     act *= in_flight
+    w_pending = 0
     if plan.schedule in V_SCHEDULES and plan.pp > 1:  # two stages whose micro-batches come and go apart
-        act, in_flight = _v_activations(plan, stage, tokens)
+        act, in_flight, w_pending = _v_activations(plan, stage, tokens)
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
-    transient = {}
+    transient = {W_PENDING: w_pending} if w_pending else {}
     if plan.dtype == "bf16":
         if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
             # autocast caches one bf16 copy of each weight until the autocast region ends (after
