@@ -535,6 +535,11 @@ def _fsdp_comm_ms(name: str) -> float:
 
 
 # ---- the plan-bench run, table-05, bench-ckpt, the chaos soak, the GPU report's trace gaps, test times
+def _kib(size: str) -> float:
+    """'64 KiB' -> 64, '2 MiB' -> 2048."""
+    return _num(size) * {"KiB": 1, "MiB": 1024, "GiB": 1024 ** 2}[size.split()[-1]]
+
+
 def _rows(name: str) -> list[dict[str, str]]:
     """Every row of the markdown table in block ``name``, as {header: cell}."""
     lines = [[c.strip() for c in line.strip().strip("|").split("|")]
@@ -657,6 +662,10 @@ VALUES.update({
     "gpu.trace-under-allocator": lambda: _span([(1 - _gpu_run(n)["traced_peak_bytes"] / _gpu_run(n)["allocator_peak_bytes"])
                                                 * 100 for n in _OWN_MEMORY_RUNS], "{:.1f}", "%"),
     # the comm lab: the hand-written ring against gloo's all-reduce (table-04-ring)
+    # gloo's reduce-scatter against its all-reduce of the same input, time per call: 0.5 x the
+    # bus bandwidths' ratio (factors 1.5 and 0.75), from 256 KiB up (3 decimals say little below)
+    "coll.rs-vs-ar": lambda: _span([0.5 * _num(r["all_reduce"]) / _num(r["reduce_scatter"])
+                                    for r in _rows("table-04-collectives") if _kib(r["size"]) >= 256]),
     "ring.ratios": lambda: (lambda r: f"{min(r):.2f} to {max(r):.2f}")(
         [_num(row["ring / library"]) for row in _rows("table-04-ring")]),
     "ring.largest-ratio": lambda: f"{_num(_rows('table-04-ring')[-1]['ring / library']):.2f}",

@@ -12,7 +12,8 @@ README count them:
 
 ``wire_bytes`` adds what a ring algorithm actually sends per rank: 2(n-1)/n of the size
 for all_reduce, (n-1)/n for all_gather and reduce_scatter, the size itself for
-point-to-point and broadcast (the root's cost, an upper bound for the others).
+point-to-point and broadcast (what a ring broadcast's root sends; gloo's default binomial
+tree has its root send it log2(n) times).
 
 ``torch.distributed``'s ``CommDebugMode`` counts calls but not bytes and fails under
 pipeline parallelism, hence this small counter.
