@@ -74,8 +74,25 @@ def pytest_sessionfinish(session, exitstatus):
     (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs" / "test_times.json").write_text(json.dumps({
         "wall_s": round(time.time() - _STARTED[0], 1), "exit_status": int(exitstatus),
-        "workers": _workers(session), "cpu": _cpu(), "failed": sorted(_FAILED),
+        "workers": _workers(session), "cpu": _cpu(), "failed": sorted(_FAILED), "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d"),
         "files": {p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}}, indent=1))
+
+
+def _commit() -> str | None:
+    """The commit the suite ran on (a short hash, '+changes' where the tree differed), or None
+    outside a git checkout."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _workers(session) -> int:

@@ -189,6 +189,10 @@ def test_the_test_times_table_is_the_runs_and_refuses_a_failed_or_missing_one(tm
     text = test_times.table(times)
     assert text.splitlines()[-2:] == ["| tests/test_b.py | 75.0 | 75% |", "| tests/test_a.py | 25.0 | 25% |"]
     assert "100 s of wall time on CPU (x), 2 cores, one process" in text
+    # the run names the commit (and day) it measured, where it knows them
+    assert test_times.table(times | {"commit": "abc1234", "date": "2026-11-29"}).startswith(
+        "The last full run (commit abc1234, 2026-11-29): 100 s")
+    assert text.startswith("The last full run: 100 s")
     path = tmp_path / "t.json"
     path.write_text(json.dumps(times | {"exit_status": 1}))
     assert test_times.main(["--times", str(path)]) == 2

@@ -26,7 +26,9 @@ def table(times: dict) -> str:
     files = sorted(times["files"].items(), key=lambda kv: -kv[1])
     total = sum(s for _, s in files)
     how = "one process" if times["workers"] == 1 else f"{times['workers']} workers (pytest-xdist)"
-    lines = [f"The last full run: {times['wall_s']:,.0f} s of wall time on {times['cpu']}, {how} "
+    made = ", ".join(x for x in (times.get("commit") and f"commit {times['commit']}", times.get("date")) if x)
+    lines = [f"The last full run{f' ({made})' if made else ''}: {times['wall_s']:,.0f} s of wall time on "
+             f"{times['cpu']}, {how} "
              f"(`python -m pytest{'' if times['workers'] == 1 else ' -n auto'}`, then `python -m tools.test_times`). Each file's time is its tests' setup, "
              f"call and teardown, its fixtures' launches included.", "",
              "| file | seconds | share |", "|---|---|---|"]
