@@ -79,6 +79,10 @@ TRACED = {  # name: (script, flags); each traces one step (step 1) and skips the
     "bf16+ac": ("train_amp_ac", []),
     "bf16+sac": ("train_amp_ac", ["--ac", "selective"]),
     "bf16+ac every 2": ("train_amp_ac", ["--ac", "full", "--ac-every", "2"]),
+    # the page's size, where the first rebuild is the peak: the last (unchecked) block's activations
+    # are freed before it (the formula once counted both: 0.85)
+    "bf16+ac every 2, small": ("train_amp_ac", ["--ac", "full", "--ac-every", "2", "--model", "small",
+                                                "--seq-len", "256", "--global-batch-size", "8"]),
     "accum fp32": ("train_accum", ["--amp", "off", "--ac", "none"]),
     "bf16+ac+accum": ("train_accum", []),
 }
@@ -161,9 +165,9 @@ def test_every_step2_run_measures_what_theory_predicts(traced):
     full checkpointing, every k-th block, micro-batches) within 1.5%, and the step's peak within
     -5%/+10%. Mostly from below: the formula leaves out the backward's own temporaries (the
     gradients of activations), 2-8% of the peak at the debug model's 64 tokens, under 2% at
-    1b on an H200 (tests/test_estimate.py holds the formula to those runs). From above with
-    --ac-every 2: the formula rebuilds a block while the last (kept) block's activations are
-    still counted, though backward frees them before it reaches a checkpointed block."""
+    1b on an H200 (tests/test_estimate.py holds the formula to those runs). With --ac-every 2
+    backward frees the last (unchecked) block's activations before it rebuilds a checkpointed
+    one, and the formula's start of backward says so."""
     for name, (_, _, out) in traced.items():
         row = json.loads((out / "summary.json").read_text())["predicted"]["per_rank"][0]
         for c in ("parameters", "gradients", "optimizer state"):

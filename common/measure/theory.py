@@ -91,7 +91,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     - the loss's backward: the same less the cache, with FSDP's root (or head) unit and one
       block gathered, plus the loss's gradients (``loss_backward_bytes``): the peak of a
       large vocabulary's plain loss;
-    - start of backward: the same less the cache, plus one block rebuilt by checkpointing;
+    - start of backward: the same less the cache, plus one block rebuilt by checkpointing (with
+      ``--ac-every`` k, less the trailing unchecked blocks' activations, freed before it);
     - end of backward: every gradient, and the first block rebuilt (what matters under full
       AC, where the activations are small and the gradients are not);
     - accumulating (micro-batches of --grad-accum or of a pipeline) without FSDP, a later
@@ -128,7 +129,7 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     full = out["parameters"] + out["gradients"] + state_bytes
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
     moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss + waiting,
-               "start of backward": base + rebuilt + waiting,
+               "start of backward": base + max(0, rebuilt - out.get(FREED_BEFORE_REBUILD, 0)) + waiting,
                "end of backward": max(full + rebuilt + out.get("FSDP at the end of backward", 0),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
@@ -177,6 +178,7 @@ PP_RECV = "pipeline receive buffers (fp32 activations and their gradients)"
 NEW_OUTPUT_GRAD = "a later micro-batch's output-layer gradient, before it is added in"
 RELEASED_AT_OUTPUT = "freed by the output layer's backward"
 W_PENDING = "gradients waiting for the weight half (split backward)"
+FREED_BEFORE_REBUILD = "freed by backward before the first block is rebuilt"
 
 
 def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
@@ -374,6 +376,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         if plan.ac != "full":
             rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
         transient[f"one block recomputed ({plan.ac} AC)"] = rebuilt
+        # --ac-every k: the blocks after the last checkpointed one keep everything, and backward
+        # frees theirs (one micro-batch's) before it rebuilds the first checkpointed block
+        trailing = n_layers - 1 - (n_layers - 1) // plan.ac_every * plan.ac_every
+        out[FREED_BEFORE_REBUILD] = trailing * layer_activation_bytes(
+            cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
     if "output.weight" in shapes:  # the loss's backward, on the last stage
         what = "plain" if plan.loss_chunks <= 1 else f"in {plan.loss_chunks} chunks"
         transient[f"{LOSS_BACKWARD} ({what})"] = loss_backward_bytes(
