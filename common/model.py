@@ -289,11 +289,12 @@ class MoE(nn.Module):
     and the result is a function of the routing alone, the same on one device and split
     over any number of ranks (what lets the tests check expert parallelism exactly). The
     price is uneven work: a popular expert computes more, and under expert parallelism
-    its rank waits less than the others (a capacity factor would cap it and drop tokens).
+    its rank works longer and the others wait for it (a capacity factor would cap it and drop tokens).
 
     ``aux_loss`` (after a forward) is the load-balancing loss of Switch Transformer,
     n_experts * sum_e f_e * P_e, f_e the share of routed tokens expert e got and P_e its
-    mean router probability: 1 when the load is even, n_experts at worst. f counts the
+    mean router probability: 1 when the load is even, n_experts / top_k at worst (every token
+    picks the same top_k experts). f counts the
     tokens of the whole global batch: ``global_counts`` sums them over the data-parallel
     ranks when set from outside (each rank's loss then averages to the global one).
     ``tokens_per_expert`` keeps the last forward's global counts, for the figures.

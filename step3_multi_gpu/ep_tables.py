@@ -22,7 +22,7 @@ def _load(folder: Path) -> tuple[dict, list[dict]]:
 
 
 def imbalance(counts: list[int]) -> float:
-    """The busiest expert's load over the even load (1: balanced; n_experts: one expert takes all)."""
+    """The busiest expert's load over the even load (1: balanced; n_experts / top_k at most: every token picks the same top_k)."""
     return max(counts) / (sum(counts) / len(counts))
 
 

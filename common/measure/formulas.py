@@ -376,8 +376,8 @@ def moe_activation_extra(plan: Plan, tokens: int, n_layers: int, shapes: dict) -
     """What a MoE layer keeps beyond a dense MLP of the same width per token (an estimate).
 
     ``layer_activation_bytes`` counts the MLP at ffn_dim; a token goes through top_k
-    experts, so k times that, and the layer keeps the router's fp32 probabilities (n_experts
-    a token) and four copies of every (token, choice) row of ``dim`` values: gathered by
+    experts, so k times that, and the layer keeps two fp32 tensors of the router's (its
+    logits' softmax and what top-k renormalises: n_experts a token each) and four copies of every (token, choice) row of ``dim`` values: gathered by
     expert, dispatched (or not), regrouped, weighed. Not held to the byte by the tests.
     In bf16 the layer casts its (local) experts itself (autocast does not cover grouped_mm,
     and FSDP's policy leaves the experts alone) and saves the copies for backward: 2 bytes

@@ -24,12 +24,14 @@ slots as it sends that rank: its experts then receive top_k x its tokens, the me
 which is what formulas.ep_comm's formula assumes, so the dry run's shapes and all-to-all
 bytes are those of a rank in a balanced real run.
 
-The experts here are spread over all the data-parallel ranks (EP degree = world size, the
+The experts are spread over the data-parallel ranks (by default EP degree = world size, the
 usual layout inside a node): a rank trains on its own share of the batch like any data-
-parallel rank, and its experts see the tokens of every rank. So an expert's gradient is
-already the sum over all the ranks' losses, where the dense part's is one rank's, which
-DDP or FSDP then averages: dividing the experts' gradients by W makes both the gradient
-of the global-batch mean loss.
+parallel rank, and its experts see the tokens of every rank of its group. So an expert's
+gradient is already the sum over the group's losses, where the dense part's is one rank's,
+which FSDP then averages: dividing the experts' gradients by W makes both the gradient of
+the global-batch mean loss. With ``--ep`` E below the world size the ranks form W/E groups,
+each holding every expert once, and the copies of an expert all-reduce its gradient
+(``reduce_expert_grads``), as DDP would.
 """
 from __future__ import annotations
 
