@@ -288,6 +288,13 @@ def test_compare_names_what_differs(synthetic_runs, tmp_path, monkeypatch):
     assert b.startswith("| B | FSDP (ZeRO-3) | AMP bf16 | 8 x 32 tokens | 2 |")
     assert titles and all(t.endswith(": debug model, 5 steps, CPU, 2 ranks; runs differ in precision, batch")
                           for t in titles), titles
+    # step 1 beside step 2 (the README's own comparison): one device both, so only the precision differs
+    for folder, lesson, savers in zip(synthetic_runs, ("Step 1, fp32 baseline", "Step 2"), ("fp32", "AMP bf16")):
+        s = json.loads((folder / "summary.json").read_text())
+        s.update(lesson=lesson, savers=savers, strategy="single", global_batch_size=4)
+        (folder / "summary.json").write_text(json.dumps(s))
+    note = compare_mod.compare(synthetic_runs, ["A", "B"], tmp_path / "out2").strip().splitlines()[0]
+    assert note.endswith("They differ in precision: the columns compare all of these, not the strategy alone."), note
 
 
 def test_compare_missing_folder(synthetic_runs, tmp_path, capsys):

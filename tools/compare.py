@@ -192,7 +192,9 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
     ax.spines[["top", "right"]].set_visible(False)
     ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in reversed(order)], fontsize=8,
               loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    ax.set_title(textwrap.fill(title, 80), fontsize=10)
+    # wrapped to the figure's width (about 11 characters an inch at this size), so a narrow
+    # figure of two runs does not clip it
+    ax.set_title(textwrap.fill(title, min(80, max(40, int(fig.get_size_inches()[0] * 11)))), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -230,6 +232,8 @@ def markdown_table(runs: list[RunResult], commands: list[str] | None = None,
 # the table and the figure titles when the runs do not share it. An fp32 run beside a bf16
 # one, or a batch of 8 beside one of 16, moves the peak as much as the strategy does.
 def _strategy(s: dict) -> str | None:
+    if s.get("strategy") == "single":  # steps 1 and 2: one device; their savers are the precision column
+        return "one device"
     lesson = s.get("lesson")  # the script's title, e.g. "Pipeline parallel (1f1b, 8 micro-batches)"
     if lesson:
         return lesson.split(", ", 1)[1] if lesson.startswith("Step ") and ", " in lesson else lesson
