@@ -4,8 +4,8 @@ Runs made one after another on a shared machine see different loads, so their st
 cannot be compared. Here the set-ups live in one process and take turns, one step each,
 in a new random order every round (common/measure/interleaved_bench.py); the fastest of each
 set-up's steps is its time, since other jobs only ever add time.
-    python step2_memory/bench_memory_savers.py --steps 10               (the chapter's table)
-    python step2_memory/bench_memory_savers.py --steps 10 --speed-knobs (eager, fused AdamW, compiled)
+    python step2_memory/bench_memory_savers.py --steps 6                (the chapter's table)
+    python step2_memory/bench_memory_savers.py --steps 6 --speed-knobs  (eager, fused AdamW, compiled)
 Writes bench.json and bench.md into --out.
 """
 import json

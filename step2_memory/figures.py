@@ -167,7 +167,7 @@ def float8_table(suffix: str = "") -> dict[str, str]:
                     f"{_allocator_peak(s['memory'][0])} | {act} | {s['step_time_s'] * 1e3:,.0f} ms |")
     s = summary("02_float8/float8", suffix)
     head = (f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']}, {s['steps']} steps, "
-            f"{s['device_name']}; float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "
+            f"{s['device_name']} (each command with `{' '.join(_CH2)}`); float8 layers: {len(s['float8']['converted'])} converted, kept in bf16: "
             f"{', '.join(s['float8']['skipped'])}. The peak and its categories are the memory tracer's; the "
             f"allocator's peak is the device allocator's own count of the same steps, with what it held at its "
             f"peak that no op handed the tracer (allocated inside an op).")

@@ -323,6 +323,9 @@ VALUES = {
     "bench-model.gpt2-ops": lambda: _grab("bench-model", r"\(yardstick\)\s+(\d+)"),
     "bench-model.ours-mib": lambda: _grab("bench-model", r"as CUDA runs it\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",
     "bench-model.gpt2-mib": lambda: _grab("bench-model", r"\(yardstick\)\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",
+    # the bench's targets against where the block stands ("targets: ops <= 1.5x, bytes <= 1.4x ...; here 1.47x and 1.65x")
+    "bench-model.ops-vs-target": lambda: _bench_target(0),
+    "bench-model.bytes-vs-target": lambda: _bench_target(1),
     "bench-model.ours-casts": lambda: _grab("bench-model", r"as CUDA runs it.*?([\d.]+) MiB$") + " MiB",
     "dry-1b.allocator-over": lambda: f"{100 * (_num(_grab('est-dry-run-1b', r'allocator: peak ([0-9.]+) GiB')) / _est('est-dry-run-1b', 'peak (', 4) - 1):.0f}%",
     "hooks.powersgd-less": lambda: f"1/{round(_num(_cell('table-04-hooks', 'powersgd', 'vs none')))}",
@@ -535,6 +538,16 @@ def _fsdp_comm_ms(name: str) -> float:
 
 
 # ---- the plan-bench run, table-05, bench-ckpt, the chaos soak, the GPU report's trace gaps, test times
+def _bench_target(i: int) -> str:
+    """bench-model's ops (0) or bytes (1) against their target: 'within' or 'over'."""
+    m = re.search(r"targets: ops <= ([\d.]+)x, bytes <= ([\d.]+)x the yardstick's; here ([\d.]+)x and ([\d.]+)x",
+                  _text("bench-model"))
+    if m is None:
+        raise LookupError("the block bench-model no longer prints its targets")
+    target, got = float(m.group(1 + i)), float(m.group(3 + i))
+    return "within" if got <= target else "over"
+
+
 def _kib(size: str) -> float:
     """'64 KiB' -> 64, '2 MiB' -> 2048."""
     return _num(size) * {"KiB": 1, "MiB": 1024, "GiB": 1024 ** 2}[size.split()[-1]]
