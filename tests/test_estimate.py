@@ -422,6 +422,9 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
         # 2-D at a 32K vocabulary, short sequences: the root's reduce-scatter, where FSDP's loop still
         # refers to the output layer's full gradient beside the buffer and its output (1.07)
         "2d_root_reduce": (Plan(v32, "2d", tp=2, seq_len=16, **kw), 0),
+        # ... and in fp32 the embedding's backward under TP before it: the whole vocabulary's gradient
+        # and its local copy beside the gathered root (1.26)
+        "2d_embedding_fp32": (Plan(v32, "2d", tp=2, seq_len=16, **kw | {"dtype": "fp32"}), 0),
         # 2-D with full AC: FSDP's policy makes a checkpointed block's input bf16 (activations 1.3x over)
         "2d_ac": (Plan(SMALL, "2d", tp=2, seq_len=64, ac="full", **kw), 0),
     }

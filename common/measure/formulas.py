@@ -282,14 +282,15 @@ def w_pending_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp: int 
     layer) from its input half ("I") to its weight half ("W"), for ``tokens`` tokens: PyTorch's
     pipelining hands W the gradients that reached the outputs of the ops whose weights it
     differentiates, so each matmul's output gradient (q, k, v, wo, w1, w3, w2: in the compute
-    dtype) and each norm's (the scaled output, fp32) wait there. Listed from a dry run of ZBV
+    dtype; wo's and w2's full width under TP, whose row-parallel products are partial sums of the
+    whole width) and each norm's (the scaled output, fp32) wait there. Listed from a dry run of ZBV
     (tests/test_estimate.py's missed layouts); the first stage runs its whole backward in W."""
     d, f, kv = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim
     b = 4 if dtype == "fp32" else 2
     split = tp if sequence_parallel else 1
     if head:  # the output layer's (the logits', vocabulary split under TP) and the final norm's
         return tokens * (b * cfg.vocab_size // tp + 4 * d // split)
-    return tokens * (b * (3 * d + 2 * kv + 2 * f) // tp + 4 * 2 * d // split)
+    return tokens * (b * ((d + 2 * kv + 2 * f) // tp + 2 * d) + 4 * 2 * d // split)
 
 
 def head_activation_bytes(cfg: ModelConfig, tokens: int, dtype: str = "fp32", tp: int = 1,

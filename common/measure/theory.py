@@ -128,7 +128,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
                    "for-loop": 2 * 4 * out.get("largest tensor", 0)}.get(plan.optimizer, 0)
     full = out["parameters"] + out["gradients"] + state_bytes
     unsharded = transient.get(UNSHARDED_GRADS, 0)  # a block's gradients: backward's, not forward's
-    moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss + waiting,
+    # (the wait is none at the loss's backward: the last stage's I is followed at once by its W)
+    moments = {"end of forward": base - unsharded + cache, "loss backward": at_loss + loss,
                "start of backward": base + max(0, rebuilt - out.get(FREED_BEFORE_REBUILD, 0)) + waiting,
                "end of backward": max(full + rebuilt + out.get("FSDP at the end of backward", 0),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
@@ -196,7 +197,9 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     function returns. Dry runs of 2-D (an FSDP group of 2) at a 32K vocabulary peak there;
     small with a byte vocabulary; with a 128K one the root is larger than any block
     (measured at 1b, rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the
-    copy-in)."""
+    copy-in). Under TP a third moment comes first: the embedding's backward, which makes the
+    whole vocabulary's gradient beside the gathered root (fp32 2-D at a 32K vocabulary peaks
+    there)."""
     root = {k: s for k, s in shapes.items() if is_root(k) and not (plan.split_root and not k.startswith(
         "tok_embeddings."))}  # --split-root-unit: the embedding's unit is the last to reduce
     if not root:
@@ -215,7 +218,21 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
               "root's reduce-scatter output (fp32)": own,
               f"root's last full gradient ({plan.dtype}, still referenced)": DTYPE_BYTES[plan.dtype] * last,
               "logits still held (fp32)": logits}
-    return reduce if sum(reduce.values()) > sum(copy_in.values()) else copy_in
+    moments = [copy_in, reduce]
+    if plan.tp > 1 and "tok_embeddings.weight" in root:
+        # under TP the embedding's backward (DTensor's, the last of the step) makes the gradient
+        # of the whole vocabulary and then copies out this rank's rows, while the root is still
+        # gathered and the output layer's full gradient waits for the root's reduce-scatter
+        emb = padded_shard_numel(root["tok_embeddings.weight"], shard) * shard
+        out_full = (padded_shard_numel(root["output.weight"], shard) * shard if "output.weight" in root else 0)
+        b = DTYPE_BYTES[plan.dtype]
+        moments.append({"other units' gradient shards": grads - own,
+                        f"root's gathered parameters ({plan.dtype})": b * full,
+                        f"the output layer's full gradient ({plan.dtype})": b * out_full,
+                        f"the embedding's whole-vocabulary gradient ({plan.dtype}, TP)": b * emb * plan.tp,
+                        f"its copy of this rank's rows ({plan.dtype})": b * emb,
+                        "logits still held (fp32)": logits})
+    return max(moments, key=lambda m: sum(m.values()))
 
 
 def _v_activations(plan: Plan, stage: int, tokens: int) -> tuple[int, int, int]:
