@@ -222,10 +222,19 @@ def test_accumulation_matches_one_big_batch(monkeypatch, tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-8)
     assert [r["loss"] for r in micro] == pytest.approx([r["loss"] for r in big], rel=1e-6)
     assert big[-1]["loss"] < big[0]["loss"] - 0.1  # the steps really moved the weights
-    # After three AdamW steps the weights agree to 1e-5: AdamW divides each gradient by its
-    # running RMS, which magnifies the rounding of gradients that are near zero.
-    for (n, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=n)
+    # After three AdamW steps the weights agree to 1e-5 but for a handful of elements: AdamW
+    # divides each gradient by its running RMS, so an element whose gradient is near zero can
+    # move by its rounding, up to two Adam trajectories apart (a plain atol of 1e-5 held only
+    # while the text trained on, this repository's own model.py, happened to make none)
+    from test_model_parallel import adam_drift_bound
+    from tests.tolerances import WEIGHT_FRACTION
+    assert list(models[0].state_dict()) == list(models[1].state_dict())
+    pairs = list(zip(models[0].state_dict().values(), models[1].state_dict().values()))
+    numel = sum(a.numel() for a, _ in pairs)
+    over = sum(int(((b - a).abs() > 1e-5).sum()) for a, b in pairs)
+    worst = max(float((b - a).abs().max()) for a, b in pairs)
+    assert over <= WEIGHT_FRACTION * numel, (over, numel)
+    assert worst <= adam_drift_bound(steps=3, warmup=2), worst
 
 
 def test_accumulation_trace_activations_shrink_gradients_persist(traced):
