@@ -433,7 +433,7 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
 # run again with the CPU's own one-tensor-at-a-time AdamW (the suite takes CUDA's foreach path):
 # where its temporaries of the largest tensor make the peak
 FOR_LOOP = ("pp_last", "zbv_ac", "ddp_rebuild", "zbv_ac_turn")
-# the one layout the formula still misses by more than 3%: the weight half's own casts while it
+# the one tested layout the formula still misses by more than 3%: the weight half's own casts while it
 # adds a micro-batch's weight gradients in (will_it_fit.md's "What dry runs taught the formula")
 WITHIN = {"zbv_ac_turn@for-loop": 0.05}
 

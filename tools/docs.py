@@ -426,6 +426,7 @@ VALUES = {
     "tt.tp-ours": lambda: _tt(_TP, "ours"),
     "tt.tp-theirs": lambda: _tt(_TP, "tokens/s/GPU theirs"),
     "tt.tp-old": lambda: _tt_tp_old(),
+    "tt.tp-old-over": lambda: "{:.0%}".format(_num(_tt_tp_old()) / _num(_tt(_TP, "tokens/s/GPU theirs")) - 1),
     "tt.tp-comm": lambda: _grab("plan-torchtitan", r"\| asyncTP.*exposed communication ([\d,]*\d)") + " ms",
     "tt.tp-step": lambda: "{:,.0f} ms".format(sum(_num(t) for t in re.findall(r"[a-z] ([\d,]+)", _tt(_TP, "where our step goes (ms)")))),
     "tt.tp-peak": lambda: f"{_num(_tt(_TP, 'ours (peak)')):.1f} GiB",
