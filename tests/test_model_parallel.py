@@ -141,6 +141,11 @@ CASES = {
         # with --ac full: the weight half's calls share one recomputation (pp.py's Stage) under TP too
         case("3d_zbv", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "zbv",
              "--fused-adamw", "--ac", "full"),
+        # the other two schedules the planner offers for 3-D (tools/plan.py): two stages a rank
+        case("3d_dualpipev", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2",
+             "--schedule", "dualpipev", "--microbatches", "4"),
+        case("3d_interleaved", THREE_D, "--model", "debug", "--pp", "2", "--dp", "1", "--tp", "2",
+             "--schedule", "interleaved1f1b", "--microbatches", "4"),
         case("3d_pp_fsdp", THREE_D, "--model", "debug", "--n-layers", "5", "--pp", "2", "--dp", "2", "--tp", "1",
              "--schedule", "gpipe", *CURVE),
         case("bf16_3d", THREE_D, "--model", "debug", "--pp", "2", "--dp", "2", "--tp", "1", "--n-layers", "5",
