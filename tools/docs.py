@@ -391,13 +391,12 @@ VALUES = {
         _num(_grab("est-torchtitan-8b", r"less ([\d.]+) GiB headroom")) / _tt_peak(3)),
     # that peak at the reserved/allocated ratio of the one GPU run of the layout (the H200's
     # dry run, figs/h200_2026-11-26/dry8b.log), and what it leaves of the usable memory
-    "tt-layout.reserved-at-h200": lambda: _gib(_tt_peak(3) * _dry8b("reserved") / _dry8b("allocated")),
-    "tt-layout.left-at-h200": lambda: _gib(_usable("est-torchtitan-8b") - _tt_peak(3) * _dry8b("reserved")
-                                           / _dry8b("allocated")),
+    "tt-layout.reserved-at-h200": lambda: _gib(_tt_peak(3) * _reserve_ratio()),
+    "tt-layout.left-at-h200": lambda: _gib(_usable("est-torchtitan-8b") - _tt_peak(3) * _reserve_ratio()),
     # the same ratio on the trace's peak (FakeTensorMode, the CPU's kernels), and how far it lands over
     "tt-layout.trace-peak": lambda: _gib(_tt_trace_peak()),
-    "tt-layout.trace-reserved-at-h200": lambda: _gib(_tt_trace_peak() * _dry8b("reserved") / _dry8b("allocated")),
-    "tt-layout.trace-over-at-h200": lambda: _gib(_tt_trace_peak() * _dry8b("reserved") / _dry8b("allocated")
+    "tt-layout.trace-reserved-at-h200": lambda: _gib(_tt_trace_peak() * _reserve_ratio()),
+    "tt-layout.trace-over-at-h200": lambda: _gib(_tt_trace_peak() * _reserve_ratio()
                                                  - _usable("est-torchtitan-8b")),
     # the planner's choices, and torchtitan's runs against its predictions
     "plan-1node.peak": lambda: f"{_num(_plan_row('plan-8b-1node', 1)[2]):.0f} GiB",
@@ -459,6 +458,11 @@ def _tt_tp_old() -> str:
     from tools.plan import torchtitan_rows, torchtitan_tp_as_first_assumed
     (row,) = [r for r in torchtitan_rows() if "TP 8" in r["what"]]
     return f"{torchtitan_tp_as_first_assumed(row['plan'].cfg)['tokens_per_s_per_gpu']:,.0f}"
+
+
+def _reserve_ratio() -> float:
+    """Reserved over allocated in the one GPU run of the 8b layout (the H200's dry run)."""
+    return _dry8b("reserved") / _dry8b("allocated")
 
 
 def _tt_trace_peak() -> float:
