@@ -51,7 +51,8 @@ from common.prepared import take_vocab
 from common.measure.byte_units import fmt_bytes
 from common.model import PRESETS, get_config
 from common.measure.plan import ALIASES, HEAD_LOSS_STRATEGIES, STRATEGIES, Plan
-from common.measure.theory import CATEGORIES, ROOT_REDUCE, predict
+from common.measure.theory import (CATEGORIES, FORWARD_GATHER, ROOT_REDUCE, SPLIT_HEAD_REDUCE, SPLIT_LOSS_FORWARD,
+                                   predict)
 from common.parallelize.ac import AC_MODES
 
 GiB = 2**30
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="whose kernels the formulas assume: attention's saved tensors and AdamW's "
                         "temporaries differ (default: cuda)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="gradient accumulation: K micro-batches a step, as the scripts' --grad-accum (default: 1; "
+                        "a pipeline's micro-batches are --microbatches)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: pp)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"))
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp")
@@ -180,6 +184,11 @@ def check(args) -> None:
     if args.batch is not None and args.batch <= 0:
         raise UserError(f"--batch must be positive (got {args.batch}).")
     # Zero or negative is a mistake to name, not a "use the default" (``x or default`` would take it).
+    if args.grad_accum <= 0:
+        raise UserError(f"--grad-accum must be positive (got {args.grad_accum}); 1 is no accumulation.")
+    if args.grad_accum > 1 and (args.pp > 1 or ALIASES.get(args.strategy, args.strategy) == "pp"):
+        raise UserError("--grad-accum with --pp: a pipeline's micro-batches already are gradient accumulation; "
+                        "give --microbatches instead.")
     for flag in ("n_layers", "hsdp_shard", "microbatches", "cp"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
@@ -246,10 +255,10 @@ def check_layouts(ps) -> None:
                 raise UserError(f"--batch {p.batch} does not split over {p.world // cp} data-parallel groups; use a "
                                 f"multiple of that.")
             continue
-        if p.batch % max(1, p.dp) or (p.pp > 1 and (p.batch // p.dp) % (p.microbatches or p.pp)):
+        m = p.microbatches or p.pp if p.pp > 1 else p.accum
+        if p.batch % max(1, p.dp) or (p.batch // max(1, p.dp)) % m:
             raise UserError(f"--batch {p.batch} does not split over {p.dp} data-parallel ranks"
-                            + (f" and {p.microbatches or p.pp} micro-batches" if p.pp > 1 else "")
-                            + "; use a multiple of that.")
+                            + (f" and {m} micro-batches" if m > 1 else "") + "; use a multiple of that.")
 
 
 def check_moe_layouts(ps, model: str) -> None:
@@ -271,6 +280,7 @@ def plans(args) -> list[Plan]:
     w = args.world_size
     batch = args.batch or w
     common = dict(world=w, batch=batch, seq_len=args.seq_len, dtype=args.dtype, ac=args.ac, device=args.device,
+                  accum=args.grad_accum,
                   microbatches=args.microbatches, schedule=args.schedule, sequence_parallel=args.sequence_parallel)
     strategy = ALIASES.get(args.strategy, args.strategy)
     if strategy != "all":
@@ -303,7 +313,8 @@ def all_plans(args, cfg, common) -> list[Plan]:
         if cfg.n_heads % w == 0 and cfg.n_kv_heads % w == 0:
             out.append(Plan(cfg, "tp", **common))
         if cfg.n_layers >= w and batch % w == 0:
-            out.append(Plan(cfg, "pp", **(common | {"microbatches": args.microbatches or w})))
+            # (its micro-batches are its accumulation: --microbatches, not --grad-accum)
+            out.append(Plan(cfg, "pp", **(common | {"microbatches": args.microbatches or w, "accum": 1})))
         if w > 2 and w % 2 == 0:
             out.append(Plan(cfg, "2d", tp=tp, **common))
     return [p for p in out if p.batch % max(1, p.dp) == 0]
@@ -675,7 +686,8 @@ def header(p: Plan, gpu_mem: float) -> str:
     run starts, so the wait says what it is for."""
     est = worst_rank(p)
     _unit(est["peak"])
-    return (f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens, {p.dtype}, AC {p.ac}, "
+    return (f"{label(p)}: {p.cfg.n_layers} layers, batch {p.batch} x {p.seq_len} tokens"
+            + (f" in {p.accum} micro-batches" if p.accum > 1 else "") + f", {p.dtype}, AC {p.ac}, "
             f"{p.device} kernels, on {gpu_text(gpu_mem)}; rank {est['rank']}, {UNIT[1]}")
 
 
@@ -690,6 +702,9 @@ def print_one(p: Plan, gpu_mem: float, headroom: float, traced: dict | None, dry
         rows.append((f"AdamW temporaries ({p.optimizer})", est["optimizer temporaries"], [None] * len(measured)))
     if measured:
         rows.append(("other (measured: temporaries)", None, [m["other"] for _, m in measured]))
+    for k in (FORWARD_GATHER, SPLIT_LOSS_FORWARD, SPLIT_HEAD_REDUCE):
+        if est["peak_at"] == k:  # a moment of FSDP's own: what it adds to the shards and the state
+            rows.append((f"  at peak: {k}", est[k], [None] * len(measured)))
     root = est.get(ROOT_REDUCE, {})
     if est["peak_at"] == "end of backward" and est["peak"] == est["parameters"] + est["optimizer state"] + sum(root.values()):
         # the peak is that moment: say what is alive in it besides the shards and AdamW's state

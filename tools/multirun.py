@@ -8,10 +8,11 @@ on torchrun's store would reuse the previous group's keys (gloo then connects to
 addresses and fails), so ``allow_reinit()`` gives every new group a fresh key prefix on
 the launcher's store.
 
-A known limit: DTensor caches sharding decisions (in C++) keyed by meshes that compare
-equal by shape and ranks, not by process group. Two runs in one job whose meshes have an
-equal sub-mesh built in a different order (a 2-D (dp, tp) and a 3-D (pp, dp, tp) mesh)
-can pick up the first run's stale group. Keep such runs in separate jobs.
+DTensor caches sharding decisions and redistribution plans keyed by meshes that compare
+equal by shape and ranks, not by process group: after each run
+``common.distributed.release_finished_groups()`` empties those caches, or a later run with
+an equal mesh (two 3-D dry runs of different ranks in one process did) would reach for the
+earlier run's destroyed group.
 """
 from __future__ import annotations
 

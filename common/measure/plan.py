@@ -56,6 +56,8 @@ class Plan:
             self.tp = self.world
         if self.strategy == "pp" and self.pp == 1:
             self.pp = self.world
+        if self.pp > 1 and self.tp > 1:  # train_3d.py's TP gives the last stage whole logits (no loss parallelism)
+            self.loss_parallel = False
         if self.head_loss is None:
             self.head_loss = self.strategy in HEAD_LOSS_STRATEGIES
         if self.cpu_offload and not self.strategy.startswith(("fsdp", "hsdp")):

@@ -81,7 +81,7 @@ def v_live_peak(plan: Plan, rank_stage: int, bytes_per_microbatch: dict[int, flo
 
 
 def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tuple[int, str, int]:
-    """The step's peak: the largest of five moments (and two more where they apply).
+    """The step's peak: the largest of five moments (and more where they apply).
 
     - end of forward: parameters, AdamW state, every activation and autocast's cache of
       bf16 weight copies (alive until the loss is computed, see ``predict``). The gradients
@@ -98,6 +98,11 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     - accumulating (micro-batches of --grad-accum or of a pipeline) without FSDP, a later
       micro-batch's output-layer gradient landing beside the summed ones (``NEW_OUTPUT_GRAD``);
     - under DDP (and ZeRO-1), the second step's start (``ddp_rebuild``);
+    - under FSDP, the forward's first all-gathers (``FORWARD_GATHER``: a unit's all-gather
+      output outlives its copy-out until the next unit's), in a later micro-batch beside the
+      earlier ones' summed gradients; with ``--split-root-unit`` the loss's forward, where the
+      head's all-gather output is still held, and the head's reduce-scatter, the first of
+      backward (``SPLIT_LOSS_FORWARD``, ``SPLIT_HEAD_REDUCE``);
     - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
       AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
       (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, holding
@@ -137,6 +142,13 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
     if NEW_OUTPUT_GRAD in transient:
         moments["output layer's backward (accumulating)"] = (base - out[RELEASED_AT_OUTPUT]
                                                              + transient[NEW_OUTPUT_GRAD])
+    for k in (SPLIT_LOSS_FORWARD, SPLIT_HEAD_REDUCE):  # --split-root-unit's head unit (see predict)
+        if k in out:
+            moments[k] = (out["parameters"] + state_bytes + out[k] + transient.get(ACCUM_GRADS, 0)
+                          + out["activations"] - (out[RELEASED_AT_OUTPUT] if k == SPLIT_HEAD_REDUCE else 0))
+    if FORWARD_GATHER in out:  # a later micro-batch's forward (accumulating): the earlier ones' gradients too
+        moments[FORWARD_GATHER] = (out["parameters"] + state_bytes + out[FORWARD_GATHER]
+                                   + (transient.get(ACCUM_GRADS, 0) if plan.accum > 1 and plan.pp == 1 else 0))
     if kind in ("ddp", "zero1") and plan.dp > 1:
         moments[DDP_REBUILD] = ddp_rebuild(out, 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len)
     moments = {k: v + transient.get(PP_RECV, 0) for k, v in moments.items()}  # alive at every moment
@@ -172,6 +184,9 @@ def offloaded_state(plan: Plan, shapes: dict, shard: int, index: int, out: dict)
 
 
 ROOT_REDUCE = "FSDP root unit's reduce-scatter"
+FORWARD_GATHER = "FSDP's first all-gathers of the forward"
+SPLIT_LOSS_FORWARD = "the loss's forward (the head unit's all-gather output still held)"
+SPLIT_HEAD_REDUCE = "the head unit's reduce-scatter (first in backward)"
 ACCUM_GRADS = "earlier micro-batches' gradients, unsharded (until the last reduce-scatter)"
 LOSS_BACKWARD = "the loss's backward"
 UNSHARDED_GRADS = "unsharded gradients (FSDP)"
@@ -182,7 +197,7 @@ W_PENDING = "gradients waiting for the weight half (split backward)"
 FREED_BEFORE_REBUILD = "freed by backward before the first block is rebuilt"
 
 
-def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) -> dict[str, int]:
+def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int, in_flight_act: int = 0) -> dict[str, int]:
     """The last moment of an FSDP backward, less the parameter shards and AdamW state: the
     root unit (embedding, final norm, output layer) is the last to be reduce-scattered.
     Its gathered weights are freed by then (FSDP reshards a unit before reducing it), and
@@ -199,7 +214,12 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     (measured at 1b, rank 0 of 8: 0.98 GiB of bf16 gradients and a 1.96 GiB buffer at the
     copy-in). Under TP a third moment comes first: the embedding's backward, which makes the
     whole vocabulary's gradient beside the gathered root (fp32 2-D at a 32K vocabulary peaks
-    there)."""
+    there). Accumulating (``--grad-accum``, a pipeline's micro-batches) the gradients FSDP
+    reduces are its fp32 sums, the embedding's over the whole vocabulary under TP; a
+    pipeline's schedule reduces every unit after its last backward, the root first, so the
+    other units' sums are still whole then (and gathered, under 3-D's ZeRO-2), and a middle
+    micro-batch's embedding backward has them whole too, beside the activations of the
+    micro-batches in flight (``in_flight_act``)."""
     root = {k: s for k, s in shapes.items() if is_root(k) and not (plan.split_root and not k.startswith(
         "tok_embeddings."))}  # --split-root-unit: the embedding's unit is the last to reduce
     if not root:
@@ -207,31 +227,54 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int) 
     full = sum(padded_shard_numel(s, shard) * shard for s in root.values())
     own = 4 * sum(padded_shard_numel(s, shard) for s in root.values())
     last = padded_shard_numel(list(root.values())[-1], shard) * shard if shard > 1 else 0
-    logits = (4 * tokens * (plan.cfg.vocab_size // plan.tp)
+    logits = (4 * tokens * (plan.cfg.vocab_size // (plan.tp if plan.loss_parallel else 1))
               if "output.weight" in root and not plan.head_loss else 0)
-    copy_in = {"other units' gradient shards": grads - own,
-               f"root's full gradients ({plan.dtype})": DTYPE_BYTES[plan.dtype] * full,
+    # accumulating (--grad-accum, a pipeline's micro-batches), the full gradients FSDP reduces
+    # are the fp32 ones it summed the micro-batches' into
+    accumulating = plan.accum > 1 or plan.pp > 1
+    g, kept = (4, "fp32, accumulated") if accumulating else (DTYPE_BYTES[plan.dtype], plan.dtype)
+    b = DTYPE_BYTES[plan.dtype]
+    # the other units' gradients: sharded by then, where the root reduces last; whole (their fp32
+    # sums) under a pipeline, whose schedule reduces every unit after its last backward, the
+    # root first, while ZeRO-2 (3-D's stages) keeps every unit gathered (3-D's dry runs)
+    others = {"other units' summed gradients (fp32, whole)": 4 * sum(
+        math.prod(s) for k, s in shapes.items() if k not in root and not (plan.strategy == "ep" and is_expert(k)))}
+    if plan.dp_kind.endswith("zero2"):
+        others[f"other units' gathered parameters ({plan.dtype})"] = b * sum(
+            math.prod(s) for k, s in shapes.items() if k not in root)
+    shards = others if plan.pp > 1 else {"other units' gradient shards": grads - own}
+    copy_in = {**shards,
+               f"root's full gradients ({kept})": g * full,
                "root's fp32 reduce-scatter copy": 4 * full,
                "logits still held (fp32)": logits}
-    reduce = {"other units' gradient shards": grads - own,
+    reduce = {**shards,
               "root's fp32 reduce-scatter copy": 4 * full,
               "root's reduce-scatter output (fp32)": own,
-              f"root's last full gradient ({plan.dtype}, still referenced)": DTYPE_BYTES[plan.dtype] * last,
+              f"root's last full gradient ({kept}, still referenced)": g * last,
               "logits still held (fp32)": logits}
     moments = [copy_in, reduce]
     if plan.tp > 1 and "tok_embeddings.weight" in root:
         # under TP the embedding's backward (DTensor's, the last of the step) makes the gradient
         # of the whole vocabulary and then copies out this rank's rows, while the root is still
-        # gathered and the output layer's full gradient waits for the root's reduce-scatter
+        # gathered and the output layer's full gradient waits for the root's reduce-scatter.
+        # Accumulating over three micro-batches or more, a middle one's is larger: the other
+        # units' summed gradients are still whole (fp32) then, not yet reduce-scattered, and
+        # ZeRO-2 (3-D's stages) keeps every unit gathered
         emb = padded_shard_numel(root["tok_embeddings.weight"], shard) * shard
         out_full = (padded_shard_numel(root["output.weight"], shard) * shard if "output.weight" in root else 0)
-        b = DTYPE_BYTES[plan.dtype]
-        moments.append({"other units' gradient shards": grads - own,
+        middle = accumulating and (plan.accum if plan.pp == 1 else plan.microbatches or plan.pp) >= 3
+        # (under a pipeline, beside the activations of the micro-batches the schedule has in flight)
+        moments.append((others if middle or plan.pp > 1 else {"other units' gradient shards": grads - own}) | {
+                        "other micro-batches' activations (in flight)": in_flight_act,
                         f"root's gathered parameters ({plan.dtype})": b * full,
                         f"the output layer's full gradient ({plan.dtype})": b * out_full,
                         f"the embedding's whole-vocabulary gradient ({plan.dtype}, TP)": b * emb * plan.tp,
-                        f"its copy of this rank's rows ({plan.dtype})": b * emb,
-                        "logits still held (fp32)": logits})
+                        "logits still held (fp32)": logits}
+                       | ({"the earlier micro-batches' root gradients (fp32; the embedding's whole vocabulary)":
+                           4 * (full + emb * (plan.tp - 1))} if accumulating else
+                          # (accumulating, it is added into those instead, and the rows are taken out
+                          # of the sum at the reduce-scatter)
+                          {f"its copy of this rank's rows ({plan.dtype})": b * emb}))
     return max(moments, key=lambda m: sum(m.values()))
 
 
@@ -371,6 +414,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
             # block's new gradient adds into it, so only the reduce-scatter's fp32 copy is new
             transient[ACCUM_GRADS] = 4 * sum(math.prod(s) for k, s in shapes.items()
                                              if not (plan.strategy == "ep" and is_expert(k)))
+            if plan.tp > 1 and "tok_embeddings.weight" in shapes:
+                # under 2-D the embedding's gradient is DTensor's whole-vocabulary one (see above), and
+                # FSDP accumulates it so: only the last reduce-scatter takes this rank's rows out of it
+                transient[ACCUM_GRADS] += 4 * (cfg.vocab_size * cfg.dim - math.prod(shapes["tok_embeddings.weight"]))
             if plan.strategy == "ep":  # the rank's own experts are no FSDP unit: their gradients, as they are
                 transient[ACCUM_GRADS] += 4 * sum(padded_shard_numel(s, plan.ep or plan.world)
                                                   for k, s in shapes.items() if is_expert(k))
@@ -381,7 +428,17 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         # when the loss's backward runs, no block's gradient exists yet and one block is gathered
         # (backward's prefetch of the last), not two
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
-        if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens):
+        # forward's all-gathers: FSDP frees a unit's all-gather output only after the next unit's
+        # copy-out (so that the copy-out overlaps the next all-gather), so at the first block's
+        # copy-out the root is there twice (its output and its parameters) and so is the block
+        # (with the head in a unit of its own, the embedding's unit is the first). With --grad-accum
+        # a later micro-batch does it beside the earlier ones' unsharded gradients (measured on
+        # dry runs at a 32K vocabulary, short sequences: tests/test_estimate.py)
+        first_unit = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and (
+            k.startswith("tok_embeddings.") or not plan.split_root))
+        out[FORWARD_GATHER] = pbytes * 2 * (first_unit + block_n)
+        if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens,
+                                out["activations"] * (in_flight - 1) // in_flight):
             out[ROOT_REDUCE] = root
     if plan.cpu_offload:
         out["host"] = offloaded_state(plan, shapes, shard, dp_index % shard, out)
@@ -407,6 +464,22 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         n_stages = plan.pp * loops
         transient[PP_RECV] = sum(((s > 0) + (s < n_stages - 1)) * m * 4 * tokens * cfg.dim
                                  for s in _rank_stages(plan, stage))
+    if fsdp and plan.dp > 1 and plan.split_root and "output.weight" in shapes and plan.pp == 1:
+        # --split-root-unit: the head (final norm, output layer) is the forward's last unit, and
+        # FSDP frees its all-gather output only when the whole forward ends (the root's
+        # post-forward), after the loss the model computes: the head twice, beside the bf16
+        # logits and their fp32 copy. In backward the head's unit is the first to reduce-scatter,
+        # beside every activation but the head's: its full gradients (the fp32 sums, accumulating),
+        # the fp32 buffer and its output, and the last block, gathered again for its backward
+        head_n = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and not k.startswith("tok_embeddings."))
+        v = cfg.vocab_size // (plan.tp if plan.loss_parallel else 1)
+        out[SPLIT_LOSS_FORWARD] = pbytes * 2 * head_n + (
+            (4 + (pbytes if pbytes < 4 else 0)) * tokens * v if plan.loss_chunks <= 1 else 0)
+        out[SPLIT_HEAD_REDUCE] = ((0 if plan.accum > 1 else pbytes * head_n) + 4 * head_n
+                                  + 4 * sum(padded_shard_numel(s, shard) for k, s in shapes.items()
+                                            if is_root(k) and not k.startswith("tok_embeddings."))
+                                  + pbytes * block_n)
+        out[RELEASED_AT_OUTPUT] = head
     if (plan.accum > 1 or plan.pp > 1) and not fsdp and "output.weight" in shapes:
         # accumulating, a later micro-batch's output-layer gradient lands beside the gradients
         # already summed: under autocast the matmul's bf16 gradient and its fp32 cast together
