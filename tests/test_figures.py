@@ -12,7 +12,7 @@ import pytest
 
 import step3_multi_gpu.figures as step3  # will_it_fit.md's estimator blocks are made there
 from tools import figures
-from tools.docs import block
+from tools.docs import block, untimed
 from tools.figures import ROOT, Run, jobs, provenance_table, record_provenance, run_dir
 from test_readme import parse_only
 
@@ -212,10 +212,23 @@ def test_the_dry_run_blocks_hold_answers_that_agree(marker, capsys):
 def test_estimator_blocks_are_current():
     """The estimator is deterministic (but for its timing line): the README's copies of its
     answers must be what it answers now."""
-    import re
-    untimed = lambda t: re.sub(r"in [\d.]+ s\)", "in ... s)", t.strip())  # noqa: E731
     for marker, text in step3.estimates().items():
         assert untimed(block(marker)[1]) == untimed(text), f"the {marker} block is stale: run python -m tools.figures"
+
+
+def test_a_block_whose_own_time_alone_moved_is_not_rewritten(tmp_path, monkeypatch):
+    """Regenerating on an unchanged tree changes no page: a tool's block that differs only in
+    the time its command took keeps the page's copy; any other change is written."""
+    import tools.docs as docs
+    page = tmp_path / "README.md"
+    page.write_text("x\n<!-- BEGIN est-x -->\n(traced rank 0 in 2.4 s)\npeak 1.00\n<!-- END est-x -->\ny\n")
+    monkeypatch.setattr(docs, "ROOT", tmp_path)
+    monkeypatch.setattr(docs, "DOCS", ["README.md"])
+    monkeypatch.setattr(docs, "fill_pages", lambda: [])
+    figures.update_readme({"est-x": "(traced rank 0 in 9.9 s)\npeak 1.00"})
+    assert "in 2.4 s)" in page.read_text()
+    figures.update_readme({"est-x": "(traced rank 0 in 9.9 s)\npeak 1.01"})
+    assert page.read_text() == "x\n<!-- BEGIN est-x -->\n(traced rank 0 in 9.9 s)\npeak 1.01\n<!-- END est-x -->\ny\n"
 
 
 def test_gpu_report_block_is_current(tmp_path, monkeypatch):

@@ -38,6 +38,13 @@ def block(name: str) -> tuple[Path, str] | None:
     return None
 
 
+def untimed(text: str) -> str:
+    """A tool's block less the time its command took ("(traced ... in 9.2 s)"), which moves
+    with the machine's load: regenerating a block whose only change is that time keeps the
+    page as it is (tools/figures.py), and the test of the estimator's blocks ignores it."""
+    return re.sub(r"in [\d.]+ s\)", "in ... s)", text.strip())
+
+
 # ---- the numbers the prose quotes ---------------------------------------------------------
 # A number the prose takes from a run, an estimate, a plan or a GPU report sits between
 # <!-- v:NAME --> and <!-- /v -->, and VALUES[NAME] renders it from that source: a block of

@@ -87,13 +87,15 @@ def update_readme(tables: dict[str, str]):
     """Replace the text between <!-- BEGIN name --> and <!-- END name --> markers, in
     whichever page of the walkthrough (tools/docs.py) holds them; then the numbers the prose
     quotes from them (tools/docs.py's VALUES), so no sentence keeps a block's old number."""
-    from tools.docs import block, fill_pages
+    from tools.docs import block, fill_pages, untimed
     for name, body in tables.items():
         found = block(name)
         if found is None:
             print(f"no page has a <!-- BEGIN {name} --> marker; table {name} not written", flush=True)
             continue
-        path, _ = found
+        path, old = found
+        if untimed(old) == untimed(body):  # only the command's own time moved: the page stays as it is
+            continue
         begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
         head, rest = path.read_text().split(begin, 1)
         _, tail = rest.split(end, 1)
