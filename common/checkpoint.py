@@ -231,8 +231,8 @@ class Checkpointer(StopSignals):
         self._all_ok(error, partial, step)
         background = self.args.ckpt_async and not blocking
         try:
-            # CUDA path: no CPU test: CUDA's generator state exists only with a GPU; tools/gpu_check.py resumes
-            # a CUDA run
+            # CUDA path: no CPU test: CUDA's generator state exists only with a GPU; no GPU run has resumed
+            # from it yet (tools/gpu_check.py trains, it does not resume)
             torch.save({"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None},
                        partial / f"rng_rank{self.ctx.rank}.pt")

@@ -428,6 +428,10 @@ VALUES = {
     "tt.peak-eager-reserved": lambda: f"{_num(_tt(_TT8, 'ours (peak)')) * _dry8b('reserved') / _dry8b('allocated'):.1f} GiB",
     "tt.cp8-theirs": lambda: _tt("Table 2: FSDP 1, CP 8", "tokens/s/GPU theirs"),
     "tt.cp8-ours": lambda: _tt("Table 2: FSDP 1, CP 8", "ours"),
+    "tt.compile-gain": lambda: f"{_num(_tt(_TT8C, 'tokens/s/GPU theirs')) / _num(_tt(_TT8, 'tokens/s/GPU theirs')):.2f}x",
+    "achieved.compile-gain": lambda: (lambda a: f"{a['compiled'] / a['eager']:.2f}x")(
+        __import__("common.measure.machines", fromlist=["ACHIEVED"]).ACHIEVED),
+    "gpu.1b-compile-step-gain": lambda: f"{_gpu_run('1b_amp')['step_time_s'] / _gpu_run('1b_amp_compile')['step_time_s']:.2f}x",
     "tt.tp-ratio": lambda: _tt(_TP, "ours/theirs") + "x",
     "tt.tp-ours": lambda: _tt(_TP, "ours"),
     "tt.tp-theirs": lambda: _tt(_TP, "tokens/s/GPU theirs"),

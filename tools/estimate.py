@@ -103,6 +103,8 @@ def traceable(p: Plan) -> str | None:
                 f"(its script has no tensor parallelism; FSDP over TP is --strategy 2d)")
     if p.pp > 1 and p.schedule not in ("gpipe", "1f1b"):
         return f"--trace replays the gpipe and 1f1b schedules, not {p.schedule}"
+    if p.accum > 1:
+        return f"--trace traces one batch in one step, not {p.accum} micro-batches; --dry-run runs --grad-accum"
     return None
 
 
@@ -173,6 +175,13 @@ def check(args) -> None:
     for flag in ("world_size", "tp", "pp", "seq_len"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
+    # a degree only the script of another strategy runs (train_cp.py's own sentence comes later)
+    takes = {"tp": ("tp",), "pp": ("pp",), "2d": ("tp", "pp")}.get(strategy, ())
+    extra = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp") if getattr(args, d) > 1 and d not in takes]
+    if extra and strategy not in ("all", "cp", "cp_fsdp"):
+        raise UserError(f"--strategy {strategy} with {' '.join(extra)}: no script runs that layout; tensor "
+                        f"parallelism is --strategy tp, a pipeline --strategy pp, and FSDP with either (both: "
+                        f"train_3d.py) --strategy 2d.")
     if not args.gpu_mem > 0:
         raise UserError(f"--gpu-mem must be a positive number of GiB (got {args.gpu_mem:g}).")
     if not 0 <= args.headroom < args.gpu_mem:
@@ -608,11 +617,10 @@ def dry_run_command(p: Plan, args) -> list[str]:
     if p.world < 2:
         raise UserError("--dry-run plays one rank of a multi-rank layout; with --world-size 1 there is none: "
                         "run the step-2 script itself.")
-    if p.strategy == "single" or (p.pp > 1 and (p.strategy != "pp" or p.tp > 1 or p.dp > 1)) or (
-            p.tp > 1 and p.strategy not in ("tp", "2d")):
+    if p.strategy == "single" or (p.pp > 1 and p.strategy == "pp" and (p.tp > 1 or p.dp > 1)):
         raise UserError(f"--dry-run runs the layouts the step-3 scripts run with --fake-world-size (ddp, zero1, "
-                        f"fsdp, hsdp, hsdp_zero2, tp, 2d, pp, cp, cp_fsdp, ep), not {label(p)}; for 3-D run "
-                        f"step3_multi_gpu/train_3d.py --fake-world-size yourself.")
+                        f"fsdp, hsdp, hsdp_zero2, tp, 2d, 3-D as 2d with --pp, pp alone, cp, cp_fsdp, ep), not "
+                        f"{label(p)}.")
     extra = layouts.layout_flags(p)
     if p.pp > 1:  # the rank the formulas find fullest (the first, under 1F1B)
         extra += ["--fake-rank", str(worst_rank(p)["rank"])]

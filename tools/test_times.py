@@ -31,7 +31,9 @@ def table(times: dict) -> str:
              f"{times['cpu']}, {how} "
              f"(`python -m pytest{'' if times['workers'] == 1 else ' -n auto'}`, then `python -m tools.test_times`). Each file's time is its tests' setup, "
              f"call and teardown, its fixtures' launches included.", "",
-             "| file | seconds | share |", "|---|---|---|"]
+             f"A share is of the files' summed times, {total:,.0f} s"
+             + (": more than the wall time, as the workers run files side by side." if times["workers"] > 1 else "."),
+             "", "| file | seconds | share |", "|---|---|---|"]
     lines += [f"| {path} | {s:,.1f} | {s / total:.0%} |" for path, s in files]
     return "\n".join(lines)
 

@@ -5,13 +5,14 @@ holds and sends (``predict``), and that prediction beside the measurement at the
 The bytes it adds up are common/measure/formulas.py's (model state, activations,
 communication, one definition each); the parameters each rank holds, common/measure/splits.py's.
 
-The peak is the largest of five moments (``_peak``, two more where they apply): the end of
+The peak is the largest of five moments (``_peak``, more where they apply): the end of
 forward (no gradients yet when the last step freed them, autocast's cache still full), the
 loss's backward, the start of backward (one block rebuilt), the end of backward (every
 gradient), and the optimizer step, where CUDA's default foreach AdamW holds sqrt(v) for
 every parameter at once (4 bytes a parameter); under DDP a sixth, the second step's start,
-where DDP rebuilds its gradient buckets, and, accumulating without FSDP, the moment a later
-micro-batch's output-layer gradient lands. At 1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
+where DDP rebuilds its gradient buckets; accumulating without FSDP, the moment a later
+micro-batch's output-layer gradient lands; under FSDP its forward's first all-gathers, and
+with ``--split-root-unit`` the loss's forward and the head unit's reduce-scatter. At 1b, 4 x 2048 on one GPU (tests/test_estimate.py holds the numbers) the formula is within
 1.5% of what an H200 measured: the allocator's peak for fp32 and bf16 autocast, the memory
 tracer's for selective and full AC (the optimizer step, 20N exactly), whose allocator peak
 also held an earlier run (tools/estimate.py's gpu_1b_peaks). ``python -m tools.saved_census --device cuda`` lists
@@ -449,6 +450,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
         if plan.ac != "full":
             rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
+        if plan.dtype == "bf16" and not fsdp:
+            # ... under autocast its matmuls cast the block's weights to bf16 again (the first
+            # forward's copies died with its cache), alive until the block's backward is done
+            rebuilt += amp_weight_copies(block)
         transient[f"one block recomputed ({plan.ac} AC)"] = rebuilt
         # --ac-every k: the blocks after the last checkpointed one keep everything, and backward
         # frees theirs (one micro-batch's) before it rebuilds the first checkpointed block
