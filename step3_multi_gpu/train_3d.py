@@ -27,7 +27,7 @@ from common.parallelize.compile import apply_compile
 from common.parallelize.fsdp import apply_fsdp
 from common.parallelize.pp import (add_3d_flags, build_stage, check_no_accum, check_pp, last_stage_rank, layout_3d,
                                    loss_fn, make_schedule, pipeline_evaluate, pipeline_loss, pipeline_stages,
-                                   stage_indices)
+                                   plan_3d, stage_indices)
 from common.parallelize.tp import apply_tp, check_tp
 from common.run import Run
 from common.training import adamw, clip_grad_norm, global_loss, lr_schedule
@@ -78,7 +78,7 @@ def main():
         has_first, has_last = 0 in my_stages, n_stages - 1 in my_stages
         last, pp_group = last_stage_rank(args.pp, args.schedule), mesh["pp"].get_group()  # the loss's stage
         scheduler = lr_schedule(optimizer, args)
-        run = Run(args, ctx, models, optimizer, scheduler, data, strategy=None, fsdp=True,
+        run = Run(args, ctx, models, optimizer, scheduler, data, strategy="2d", fsdp=True, predict=plan_3d(args),
                   title=f"3-D parallel, PP {args.pp} x FSDP {args.dp} x TP {args.tp} ({args.schedule})",
                   parallel={"pp": args.pp, "dp": args.dp, "tp": args.tp, "stages": n_stages},
                   evaluate=lambda: pipeline_evaluate(schedule, corpus.val, args, ctx.device, has_first, has_last, last,

@@ -114,7 +114,7 @@ def test_cli_table_and_one_strategy(capsys):
 
 def test_grad_accum_reaches_the_formula(capsys):
     """--grad-accum K: the micro-batches' moments (FSDP's summed unsharded gradients, and the
-    forward's first all-gathers beside them: tests/test_estimate.py's dry runs hold those),
+    forward's first all-gathers beside them: the dry runs of ``_missed_plans`` hold those),
     not one batch K times as large."""
     flags = ["--model", "small", "--vocab-size", "32768", "--world-size", "4", "--strategy", "fsdp", "--seq-len", "16",
              "--batch", "8", "--device", "cpu"]
@@ -129,17 +129,27 @@ def test_grad_accum_reaches_the_formula(capsys):
     assert "micro-batches" not in capsys.readouterr().out
 
 
-def test_a_3d_dry_run_is_train_3d_on_the_fullest_rank():
-    """--dry-run of --strategy 2d with --pp: train_3d.py on the rank the formula finds fullest
-    (its dry runs hold the formula: ``_missed_plans``' 3-D entries)."""
-    from types import SimpleNamespace
+def test_a_3d_dry_run_is_train_3d_on_the_fullest_rank(capsys):
+    """--dry-run of --strategy 2d with --pp: train_3d.py on the rank the formula finds fullest,
+    its peak beside the formula's (``_missed_plans``' 3-D entries hold more ranks) and its
+    collectives beside the formula's bytes, TP's per stage."""
+    import re
 
-    from tools.estimate import dry_run_command, worst_rank
+    from tools.estimate import worst_rank
     p = Plan(get_config("small", vocab_size=32768), "2d", tp=2, pp=2, world=8, batch=16, seq_len=16,
-             microbatches=4, dtype="bf16")
-    cmd = dry_run_command(p, SimpleNamespace(model="small", n_layers=None, vocab_size=32768, expandable_segments=False))
-    assert cmd[0] == "step3_multi_gpu/train_3d.py" and cmd[cmd.index("--fake-rank") + 1] == str(worst_rank(p)["rank"])
-    assert cmd[cmd.index("--fake-world-size") + 1] == "8" and "--tp" in cmd and "--pp" in cmd
+             microbatches=4, dtype="bf16", device="cpu")
+    estimate_main(["--model", "small", "--vocab-size", "32768", "--strategy", "2d", "--tp", "2", "--pp", "2",
+                   "--world-size", "8", "--batch", "16", "--seq-len", "16", "--microbatches", "4", "--device", "cpu",
+                   "--dry-run"])
+    out = capsys.readouterr().out
+    assert f"(dry run of rank {worst_rank(p)['rank']}: step3_multi_gpu/train_3d.py --fake-world-size 8" in out, out
+    ratio = float(re.search(r"peak \([^)]*\) +[\d.]+ +[\d.]+ +([\d.]+)", out)[1])
+    assert ratio == pytest.approx(1, abs=0.03), out
+    sent = re.search(r"sent per step per rank: (.*) \(total", out)[1]
+    seen = re.search(r"the dry run's collectives per step: (.*)", out)[1]
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "send", "recv"):
+        want = re.search(rf"(?:^|, ){coll} ([\d.]+ \w+)", sent)[1]
+        assert re.search(rf"(?:^|, ){coll} {re.escape(want)}(?:,|$)", seen), (coll, sent, seen)
 
 
 def test_fits_means_under_usable_memory_not_the_card_total(capsys):
@@ -485,6 +495,8 @@ def _missed_plans() -> dict[str, tuple[Plan, int]]:
         # accumulating, the head's reduce-scatter beside every unit's summed gradients (1.11)
         "split_root_loss": (Plan(v32, "fsdp_zero3", seq_len=64, split_root=True, **kw), 0),
         "split_root_accum": (Plan(v32, "fsdp_zero3", seq_len=16, accum=2, split_root=True, **kw), 0),
+        # ... and under ZeRO-2 every other unit still gathered at both (1.06)
+        "split_root_zero2": (Plan(v32, "fsdp_zero2", seq_len=64, split_root=True, **kw), 0),
         # 2-D with full AC: FSDP's policy makes a checkpointed block's input bf16 (activations 1.3x over)
         "2d_ac": (Plan(SMALL, "2d", tp=2, seq_len=64, ac="full", **kw), 0),
     }
@@ -539,6 +551,11 @@ def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
         assert theory.ACCUM_GRADS in f["transient"], name
     if name == "2d_root_reduce":  # the reduce-scatter's moment, not the copy-in's
         assert f["peak_at"] == "end of backward" and any("still referenced" in k for k in f[theory.ROOT_REDUCE])
+    if name in ("3d_tp_embedding", "3d_tp_head"):  # TP's collectives on a stage: its own ends' only, and the
+        # last stage's whole logits gathered (no loss parallelism)
+        (sent,) = missed[name]["comm"]
+        for coll in ("all_reduce", "all_gather"):
+            assert sent[coll]["bytes"] == f["comm"][coll], (name, coll)
     if name in ("fsdp_accum_root_gather", "split_root_loss", "split_root_accum"):  # the moments named above
         assert f["peak_at"] == {"fsdp_accum_root_gather": theory.FORWARD_GATHER, "split_root_loss":
                                 theory.SPLIT_LOSS_FORWARD, "split_root_accum": theory.SPLIT_HEAD_REDUCE}[name]

@@ -365,6 +365,7 @@ VALUES = {
     "03b.fsdp.sent": lambda: _t3b("FSDP 4 (train_fsdp.py)", "sent per step / rank (logical)", "{:.0f} MiB"),
     "03b.fsdp.wire": lambda: _t3b("FSDP 4 (train_fsdp.py)", "on the wire / rank", "{:.1f} MiB"),
     "03b.fsdp.adamw": lambda: _t3b("FSDP 4 (train_fsdp.py)", "AdamW state / rank", "{:.1f} MiB"),
+    "03b.2d.adamw": lambda: _t3b("2-D: FSDP 2 x TP 2", "AdamW state / rank", "{:.1f} MiB"),
     "03b.gpipe.act": lambda: "{:.1f}-{:.1f} MiB".format(*_range(_cell("table-03b", "PP 4, GPipe", "activations / rank (peak)"))),
     "03b.1f1b.act-first": lambda: "{:.1f} MiB".format(max(_range(_cell("table-03b", "PP 4, 1F1B", "activations / rank (peak)")))),
     "03b.1f1b.act-last": lambda: "{:.1f} MiB".format(min(_range(_cell("table-03b", "PP 4, 1F1B", "activations / rank (peak)")))),

@@ -175,13 +175,6 @@ def check(args) -> None:
     for flag in ("world_size", "tp", "pp", "seq_len"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)}).")
-    # a degree only the script of another strategy runs (train_cp.py's own sentence comes later)
-    takes = {"tp": ("tp",), "pp": ("pp",), "2d": ("tp", "pp")}.get(strategy, ())
-    extra = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp") if getattr(args, d) > 1 and d not in takes]
-    if extra and strategy not in ("all", "cp", "cp_fsdp"):
-        raise UserError(f"--strategy {strategy} with {' '.join(extra)}: no script runs that layout; tensor "
-                        f"parallelism is --strategy tp, a pipeline --strategy pp, and FSDP with either (both: "
-                        f"train_3d.py) --strategy 2d.")
     if not args.gpu_mem > 0:
         raise UserError(f"--gpu-mem must be a positive number of GiB (got {args.gpu_mem:g}).")
     if not 0 <= args.headroom < args.gpu_mem:
@@ -190,6 +183,13 @@ def check(args) -> None:
     if args.world_size % (args.tp * args.pp):
         raise UserError(f"--world-size {args.world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                         f"use a world size that is a multiple of {args.tp * args.pp}.")
+    # a degree only the script of another strategy runs (train_cp.py's own sentence comes later)
+    takes = {"tp": ("tp",), "pp": ("pp",), "2d": ("tp", "pp")}.get(strategy, ())
+    extra = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp") if getattr(args, d) > 1 and d not in takes]
+    if extra and strategy not in ("all", "cp", "cp_fsdp"):
+        raise UserError(f"--strategy {strategy} with {' '.join(extra)}: no script runs that layout; tensor "
+                        f"parallelism is --strategy tp, a pipeline --strategy pp, and FSDP with either (both: "
+                        f"train_3d.py) --strategy 2d.")
     if args.batch is not None and args.batch <= 0:
         raise UserError(f"--batch must be positive (got {args.batch}).")
     # Zero or negative is a mistake to name, not a "use the default" (``x or default`` would take it).

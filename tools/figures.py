@@ -93,13 +93,12 @@ def update_readme(tables: dict[str, str]):
         if found is None:
             print(f"no page has a <!-- BEGIN {name} --> marker; table {name} not written", flush=True)
             continue
-        path, old = found
-        if untimed(old) == untimed(body):  # only the command's own time moved: the page stays as it is
+        if untimed(found[1]) == untimed(body):  # only the command's own time moved: the page stays as it is
             continue
         begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-        head, rest = path.read_text().split(begin, 1)
+        head, rest = found[0].read_text().split(begin, 1)
         _, tail = rest.split(end, 1)
-        path.write_text(f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}")
+        found[0].write_text(f"{head}{begin}\n{body.strip(chr(10))}\n{end}{tail}")
     for path in fill_pages():
         print(f"{path.relative_to(ROOT)}: its numbers follow the blocks now", flush=True)
 

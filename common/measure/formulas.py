@@ -170,7 +170,7 @@ def comm_bytes(strategy: str, cfg: ModelConfig, world: int, shard: int | None = 
 
 def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_parallel: bool,
                       bytes_per_el: int = 4, embedding_bytes_per_el: int | None = None,
-                      recomputed_blocks: int = 0) -> dict[str, int]:
+                      recomputed_blocks: int = 0, embedding: bool = True, output: bool = True) -> dict[str, int]:
     """The activation traffic of common/parallelize/tp.py:apply_tp, logical bytes per step.
 
     Each collective moves one (batch, seq, dim) activation. Per block: 2 all-reduces in
@@ -197,10 +197,14 @@ def tp_bytes_per_step(cfg: ModelConfig, batch: int, seq_len: int, sequence_paral
     needs: the attention's all-reduce (after wo) but not the MLP's, whose output nothing
     saves; with SP both all-gathers (before attention and MLP) and the reduce-scatter
     after wo. Measured: exactly these, for both AC modes.
+
+    ``embedding``, ``output``: whether this rank holds them (a pipeline stage holds the
+    embedding on the first stage only, the output layer on the last): their collective
+    comes with them.
     """
     tokens = batch * seq_len * cfg.dim
-    first = tokens * (embedding_bytes_per_el or bytes_per_el)
-    total = (4 * cfg.n_layers + 1) * tokens * bytes_per_el + first
+    first = tokens * (embedding_bytes_per_el or bytes_per_el) if embedding else 0
+    total = (4 * cfg.n_layers + output) * tokens * bytes_per_el + first
     again = recomputed_blocks * tokens * bytes_per_el
     if sequence_parallel:
         return {"all_gather": total + 2 * again, "reduce_scatter": total + again}

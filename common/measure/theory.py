@@ -361,7 +361,8 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
     transient = {W_PENDING: w_pending} if w_pending else {}
     if plan.dtype == "bf16":
-        if not fsdp:  # FSDP's bf16 gathers bf16 weights (a transient below) instead of autocast's copies
+        if not (fsdp and plan.dp > 1):  # FSDP's bf16 gathers bf16 weights (a transient below) instead of
+            # autocast's copies (at dp 1 apply_fsdp wraps nothing and autocast casts, as without FSDP)
             # autocast caches one bf16 copy of each weight until the autocast region ends (after
             # the loss). Matmuls outside a checkpoint save theirs for backward: activations. A
             # checkpointed block's matmuls save nothing, so its copies die when the cache is
@@ -430,7 +431,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         # (backward's prefetch of the last), not two
         out["FSDP at the loss"] = pbytes * (gathered - (block_n if not kind.endswith("zero2") else 0))
         # forward's all-gathers: FSDP frees a unit's all-gather output only after the next unit's
-        # copy-out (so that the copy-out overlaps the next all-gather), so at the first block's
+        # copy-out (so that the copy-out overlaps the next all-gather: wait_for_unshard drops
+        # comm_ctx.all_gather_state before the copy-out, but its local still holds the result
+        # until it returns), so at the first block's
         # copy-out the root is there twice (its output and its parameters) and so is the block
         # (with the head in a unit of its own, the embedding's unit is the first). With --grad-accum
         # a later micro-batch does it beside the earlier ones' unsharded gradients (measured on
@@ -438,6 +441,10 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         first_unit = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and (
             k.startswith("tok_embeddings.") or not plan.split_root))
         out[FORWARD_GATHER] = pbytes * 2 * (first_unit + block_n)
+        if plan.split_root and not kind.endswith("zero2"):
+            # ... but the embedding's unit reshards after its own forward, before block 0's gather:
+            # its output then stays beside the block's two, its parameters do not
+            out[FORWARD_GATHER] = pbytes * max(2 * first_unit, first_unit + 2 * block_n)
         if root := _root_reduce(plan, shapes, shard, out["gradients"], tokens,
                                 out["activations"] * (in_flight - 1) // in_flight):
             out[ROOT_REDUCE] = root
@@ -450,7 +457,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
         if plan.ac != "full":
             rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
-        if plan.dtype == "bf16" and not fsdp:
+        if plan.dtype == "bf16" and not (fsdp and plan.dp > 1):
             # ... under autocast its matmuls cast the block's weights to bf16 again (the first
             # forward's copies died with its cache), alive until the block's backward is done
             rebuilt += amp_weight_copies(block)
@@ -478,12 +485,15 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         # the fp32 buffer and its output, and the last block, gathered again for its backward
         head_n = sum(math.prod(s) for k, s in shapes.items() if is_root(k) and not k.startswith("tok_embeddings."))
         v = cfg.vocab_size // (plan.tp if plan.loss_parallel else 1)
-        out[SPLIT_LOSS_FORWARD] = pbytes * 2 * head_n + (
+        # (ZeRO-2 keeps every other unit gathered through both moments; ZeRO-3 only the block
+        # backward gathers first)
+        others = pbytes * (sum(math.prod(s) for s in shapes.values()) - head_n) if kind.endswith("zero2") else 0
+        out[SPLIT_LOSS_FORWARD] = pbytes * 2 * head_n + others + (
             (4 + (pbytes if pbytes < 4 else 0)) * tokens * v if plan.loss_chunks <= 1 else 0)
         out[SPLIT_HEAD_REDUCE] = ((0 if plan.accum > 1 else pbytes * head_n) + 4 * head_n
                                   + 4 * sum(padded_shard_numel(s, shard) for k, s in shapes.items()
                                             if is_root(k) and not k.startswith("tok_embeddings."))
-                                  + pbytes * block_n)
+                                  + (others or pbytes * block_n))
         out[RELEASED_AT_OUTPUT] = head
     if (plan.accum > 1 or plan.pp > 1) and not fsdp and "output.weight" in shapes:
         # accumulating, a later micro-batch's output-layer gradient lands beside the gradients
@@ -508,8 +518,14 @@ def predict(plan: Plan, rank: int = 0) -> dict:
                                       # the embedding's output: bf16 only where FSDP's policy casts the
                                       # parameters (dp > 1; apply_fsdp falls back to autocast otherwise)
                                       DTYPE_BYTES[plan.dtype], None if fsdp and plan.dp > 1 else 4,
-                                      checkpointed).items():
+                                      checkpointed, "tok_embeddings.weight" in shapes,
+                                      "output.weight" in shapes).items():
             comm[k] = comm.get(k, 0) + v
+        if "output.weight" in shapes and not plan.loss_parallel:
+            # without loss parallelism the output layer gathers its logits whole on every TP rank
+            # (train_3d.py's last stage): the batch's tokens x the vocabulary, in the compute dtype
+            comm["all_gather"] = comm.get("all_gather", 0) + (
+                DTYPE_BYTES[plan.dtype] * (plan.batch // plan.dp) * plan.seq_len * cfg.vocab_size)
         if plan.sequence_parallel and not (fsdp and plan.dp > 1):
             # the norm gains' gradients, left Partial by backward, summed once (reduce_partial_grads)
             comm["all_reduce (norm gains)"] = 4 * sum(math.prod(s) for k, s in shapes.items()

@@ -121,6 +121,12 @@ def check_pp(cfg: ModelConfig, pp: int, schedule: str, microbatches: int, global
                         f"micro-batches; use a multiple of {microbatches}.")
 
 
+def plan_3d(args) -> dict:
+    """What the memory formulas need of a train_3d.py run beyond the model and the batch (the
+    ``predict`` of common/run.py's Run, with strategy "2d"): its degrees, schedule and micro-batches."""
+    return dict(tp=args.tp, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule)
+
+
 def check_no_accum(args):
     """A pipeline's micro-batches already are gradient accumulation (each one's backward adds
     into the same gradients before one optimizer step): --grad-accum would only repeat it."""
