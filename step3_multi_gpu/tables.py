@@ -61,6 +61,8 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
     from pathlib import Path
 
     from common.measure.byte_units import fmt_bytes
+    from common.measure.splits import param_shapes
+    from common.model import get_config
 
     lines = ["| strategy | model state per rank: formula | = | measured (rank 0) | ratio | peak per rank "
              "| sent per rank per step: formula | = | measured (logical bytes) | ratio | a ring sends |",
@@ -91,7 +93,9 @@ def chapter3a_table(runs_dir, suffix: str = "") -> str:
               f"ranks, S = 2 (HSDP's shard group), batch {first['global_batch_size']} x {first['seq_len']} "
               f"tokens; {first.get('device_name', first['device'])}, gloo, fp32 unless marked. Model state = "
               "parameters + gradients + AdamW state when the optimizer step begins, from the memory trace (AdamW's "
-              "4-byte step counters put the ratio above 1 in its fifth decimal); peak = the trace's highest point, activations "
+              f"4-byte step counters, {4 * len(param_shapes(get_config(first['model'])))} B, put the ratio above 1 in "
+              "its fifth or sixth decimal; ZeRO-1's rank 0 holds more AdamW state than the others, its partition "
+              "being uneven); peak = the trace's highest point, activations "
               "included. AR all-reduce, B broadcast, AG all-gather, RS reduce-scatter; logical bytes count the whole "
               "tensor each collective works on, a ring sends 2(n-1)/n of that for AR and (n-1)/n for AG and RS, n being the group's size (W; S "
               "and R = W/S under HSDP), and B is counted at its root's full size (an upper bound: under ZeRO-1 each "

@@ -45,7 +45,7 @@ def build(args, ctx, mesh, my_stages, n_stages):
     def parallelize(stage_model):  # inside each stage: train_2d.py's recipe
         apply_tp(stage_model, mesh["tp"], loss_parallel=False)
         apply_ac(stage_model, args.ac, every=args.ac_every)
-        # Gathered weights kept through the step (else gathered again for every micro-batch); bf16 gathers.
+        # Gathered weights kept through the schedule (else gathered again for every micro-batch); bf16 gathers.
         apply_fsdp(stage_model, mesh["dp"], reshard_after_forward=False, param_dtype=args.amp_dtype)
         apply_compile(stage_model, args.compile)
     models = [build_stage(args.model_config, s, n_stages, ctx.device, args.seed, parallelize) for s in my_stages]

@@ -255,6 +255,8 @@ BAD = [
      "--strategy fsdp_zero3 with --tp 2: no script runs that layout; tensor parallelism is --strategy tp"),
     (["--strategy", "ddp", "--tp", "2", "--pp", "2", "--world-size", "4"], "--strategy ddp with --tp 2 --pp 2"),
     (["--strategy", "tp", "--pp", "2", "--world-size", "4"], "--strategy tp with --pp 2: no script runs"),
+    (["--strategy", "tp", "--tp", "2", "--world-size", "4"], "--strategy tp runs tp over every rank (train_tp.py)"),
+    (["--strategy", "pp", "--pp", "2", "--world-size", "4"], "--strategy pp runs pp over every rank (train_pp.py)"),
     (["--strategy", "fsdp", "--world-size", "4", "--batch", "8", "--grad-accum", "2", "--model", "debug",
       "--seq-len", "64", "--trace"], "--trace traces one batch in one step, not 2 micro-batches; --dry-run runs"),
     (["--strategy", "tp", "--world-size", "4", "--model", "debug", "--seq-len", "64"],

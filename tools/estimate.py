@@ -183,6 +183,10 @@ def check(args) -> None:
     if args.world_size % (args.tp * args.pp):
         raise UserError(f"--world-size {args.world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                         f"use a world size that is a multiple of {args.tp * args.pp}.")
+    for d in ("tp", "pp"):  # train_tp.py and train_pp.py run their degree over every rank
+        if strategy == d and getattr(args, d) not in (1, args.world_size):
+            raise UserError(f"--strategy {d} runs {d} over every rank (train_{d}.py): give --{d} {args.world_size} "
+                            f"or leave it out; {d} with data parallelism is --strategy 2d.")
     # a degree only the script of another strategy runs (train_cp.py's own sentence comes later)
     takes = {"tp": ("tp",), "pp": ("pp",), "2d": ("tp", "pp")}.get(strategy, ())
     extra = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp") if getattr(args, d) > 1 and d not in takes]

@@ -8,8 +8,8 @@ it tells us when it is freed. Each storage is then put in one category:
   ``p.grad`` and ``optimizer.state`` at phase boundaries (a gradient is recognised when
   backward hands it to ``p.grad``, and the whole life of its storage counts as gradient);
 - activations: allocated in the forward pass and still alive when backward starts, i.e.
-  what autograd kept for the backward pass (and the input batch, when the step moves it to
-  the device);
+  what autograd kept for the backward pass (and the input batch, which the step makes or
+  moves to the device);
 - other: everything else: forward temporaries, gradients of activations, optimizer
   temporaries, communication buffers, rotary tables;
 - checkpoint staging, only in a run that has it: the copy of the state that

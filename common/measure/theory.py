@@ -325,10 +325,11 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     fsdp = kind.startswith(("fsdp", "hsdp"))
     shard = (plan.shard or plan.dp) if fsdp else plan.dp
     out = _state("fsdp" if fsdp else kind, shapes, shard, dp_index % shard if fsdp else dp_index)
-    if plan.tp > 1 and "tok_embeddings.weight" in shapes and not fsdp:
+    if plan.tp > 1 and "tok_embeddings.weight" in shapes and not (fsdp and plan.dp > 1):
         # DTensor's embedding backward returns the vocabulary-split weight's gradient
         # replicated: every TP rank holds the whole (V, d) gradient, not its 1/tp rows
-        # (tests/test_claims.py); FSDP under 2-D reduce-scatters it into its shard
+        # (tests/test_claims.py); FSDP under 2-D reduce-scatters it into its shard (at dp 1 there
+        # is no FSDP: apply_fsdp wraps nothing)
         out["gradients"] += 4 * (cfg.vocab_size * cfg.dim - math.prod(shapes["tok_embeddings.weight"]))
 
     # activations: one micro-batch's tokens per rank, times the micro-batches kept alive
@@ -361,8 +362,9 @@ def predict(plan: Plan, rank: int = 0) -> dict:
     act += 16 * (plan.batch // plan.dp // plan.accum) * plan.seq_len  # the batch's x and y, int64
     transient = {W_PENDING: w_pending} if w_pending else {}
     if plan.dtype == "bf16":
-        if not (fsdp and plan.dp > 1):  # FSDP's bf16 gathers bf16 weights (a transient below) instead of
-            # autocast's copies (at dp 1 apply_fsdp wraps nothing and autocast casts, as without FSDP)
+        if not (fsdp and (plan.dp > 1 or plan.tp == 1)):  # FSDP's bf16 gathers bf16 weights (a transient
+            # below) instead of autocast's copies (but at dp 1 apply_fsdp wraps a TP model in nothing, and
+            # autocast casts, as under TP)
             # autocast caches one bf16 copy of each weight until the autocast region ends (after
             # the loss). Matmuls outside a checkpoint save theirs for backward: activations. A
             # checkpointed block's matmuls save nothing, so its copies die when the cache is
@@ -457,7 +459,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         rebuilt = layer_activation_bytes(cfg, tokens, plan.dtype, "none", plan.tp, plan.sequence_parallel, plan.device)
         if plan.ac != "full":
             rebuilt -= layer_activation_bytes(cfg, tokens, plan.dtype, plan.ac, plan.tp, plan.sequence_parallel)
-        if plan.dtype == "bf16" and not (fsdp and plan.dp > 1):
+        if plan.dtype == "bf16" and not (fsdp and (plan.dp > 1 or plan.tp == 1)):
             # ... under autocast its matmuls cast the block's weights to bf16 again (the first
             # forward's copies died with its cache), alive until the block's backward is done
             rebuilt += amp_weight_copies(block)
