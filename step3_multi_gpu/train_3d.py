@@ -8,7 +8,7 @@ sits at (pp, dp, tp) in a grid, tp varying fastest: a TP group's ranks are conse
 one node. Every pipeline stage is a 2-D (FSDP x TP) model of its own layers (train_2d.py),
 and each data-parallel replica of the pipeline reads its slice of the batch and runs the
 schedule on it (train_pp.py): TP's all-reduces on NVLink, FSDP's gathers and reduce-scatters
-between a stage's nodes, PP's activations between stages. --amp bf16 is FSDP's policy.
+between a stage's nodes, PP's activations between stages. --amp bf16 is FSDP's policy (autocast at dp 1).
 """
 import os
 import sys

@@ -187,6 +187,9 @@ def check(args) -> None:
         if strategy == d and getattr(args, d) not in (1, args.world_size):
             raise UserError(f"--strategy {d} runs {d} over every rank (train_{d}.py): give --{d} {args.world_size} "
                             f"or leave it out; {d} with data parallelism is --strategy 2d.")
+    if args.sequence_parallel and not (strategy == "tp" or (strategy == "2d" and args.pp == 1)):
+        raise UserError(f"--sequence-parallel is TP's (train_tp.py, train_2d.py); --strategy {strategy}"
+                        + (" with --pp" if strategy == "2d" else "") + " runs no sequence parallelism: drop it.")
     # a degree only the script of another strategy runs (train_cp.py's own sentence comes later)
     takes = {"tp": ("tp",), "pp": ("pp",), "2d": ("tp", "pp")}.get(strategy, ())
     extra = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp") if getattr(args, d) > 1 and d not in takes]
