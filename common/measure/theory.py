@@ -265,7 +265,7 @@ def _root_reduce(plan: Plan, shapes: dict, shard: int, grads: int, tokens: int, 
         out_full = (padded_shard_numel(root["output.weight"], shard) * shard if "output.weight" in root else 0)
         middle = accumulating and (plan.accum if plan.pp == 1 else plan.microbatches or plan.pp) >= 3
         # (under a pipeline, beside the activations of the micro-batches the schedule has in flight)
-        moments.append((others if middle or plan.pp > 1 else {"other units' gradient shards": grads - own}) | {
+        moments.append((others if middle else shards) | {
                         "other micro-batches' activations (in flight)": in_flight_act,
                         f"root's gathered parameters ({plan.dtype})": b * full,
                         f"the output layer's full gradient ({plan.dtype})": b * out_full,
