@@ -326,6 +326,7 @@ VALUES = {
     "trace-pp.ratio": lambda: f"{_est('est-trace-pp', 'peak (', 3):.3f}",
     "trace-debug.cpu-ratio": lambda: _grab("est-trace-debug", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
     "trace-8b.cpu-ratio": lambda: _grab("est-trace-8b", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
+    "trace-tt.cpu-ratio": lambda: _grab("est-torchtitan-8b", r"CPU's kernels.*\(trace/formula ([\d.]+)\)"),
     "bench-model.ours-ops": lambda: _grab("bench-model", r"as CUDA runs it\s+(\d+)"),
     "bench-model.gpt2-ops": lambda: _grab("bench-model", r"\(yardstick\)\s+(\d+)"),
     "bench-model.ours-mib": lambda: _grab("bench-model", r"as CUDA runs it\s+\d+\s+[\d.]+\s+([\d.]+)") + " MiB",

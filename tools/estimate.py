@@ -27,9 +27,9 @@ formula and the fake-tensor trace. Under ``--strategy ep`` the rank assumes an e
 as the formula does (its peers' token counts never arrive), and ``--trace`` runs the dry run
 instead: a fake tensor has no values, and the router's counts decide the MoE layer's shapes.
 
-"Fits" compares the peak with the *usable* memory: what the card reports (an "80 GB"
-H100 reports 81,559 MiB = 79.65 GiB) less a headroom for what no formula here counts:
-the CUDA context and kernels, NCCL's communicator buffers, and the caching allocator's
+"Fits" compares the peak with the *usable* memory: what the card reports (nvidia-smi shows
+an "80 GB" H100 as 81,559 MiB = 79.65 GiB; PyTorch's total_memory is about 79.1 GiB of it)
+less a headroom for what no formula here counts: that gap, the CUDA context and kernels, NCCL's communicator buffers, and the caching allocator's
 fragmentation and rounding. A peak that lands within the headroom of the total is an
 out-of-memory error in practice.
 """

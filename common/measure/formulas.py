@@ -42,7 +42,7 @@ k and v: attention reads grouped k/v heads as they are, nothing is copied to h h
                 common/parallelize/ac.py's policy keeps, the block input (fp32) and the
                 outputs of the matmuls (wq, wk, wv, wo, w1, w3, w2) and of attention (its
                 output and log-sum-exp); norms, RoPE, SiLU, the product and the residual
-                adds are recomputed. Exact against the CPU tracer.
+                adds are recomputed. Within a dozen bytes of the CPU tracer.
   selective-op  4d + b(3d + kv + f) + 4h: torchtitan's per-op policy, every second matmul
                 recomputed too (wk, wo and w3 of the seven), the others' outputs kept.
   Under FSDP's bf16 policy (no autocast) the residual stream is bf16: a checkpointed

@@ -262,8 +262,8 @@ def step_time(plan: Plan, machine: Machine, compiled: bool = False) -> dict:
             # block's is, and it is the one reduced last (the head's as soon as backward leaves it)
             emb = math.prod(shapes.get("tok_embeddings.weight", (0,)))
             gather_bwd += t("all_gather", emb, pbytes) if plan.split_root and again else 0.0
-            last = emb if plan.split_root else root
-            first = t("all_gather", root, pbytes) + t("all_gather", block, pbytes)  # nothing to hide it under
+            last = first_unit = emb if plan.split_root else root  # the head's own unit is gathered last in forward
+            first = t("all_gather", first_unit, pbytes) + t("all_gather", block, pbytes)  # nothing to hide it under
             ag = _comm(machine, "all_gather", b["all_gather"], sg, stride)
             ag.time = gather_fwd + gather_bwd
             ag.exposed = first + max(0.0, gather_fwd - first - forward)
