@@ -252,14 +252,16 @@ def _keep_until_released():
 def release_finished_groups():
     """After a run's objects are gone (main_guard calls this when main returns, tools/multirun
     between runs, and at exit): collect what the run left in reference cycles, DDP's Reducer
-    among it, then drop the groups' last references, without the lock. And forget DTensor's
+    among it (step_gc's full collection between runs: the next run in this process, or
+    tools/multirun, need not make another), then drop the groups' last references, without
+    the lock. And forget DTensor's
     sharding decisions and redistribution plans: they are cached by meshes that compare equal
     by shape and ranks, not by process group, so a later run in this process whose mesh
     equals this one's (two 3-D dry runs of different ranks did) would reach for its destroyed
     groups."""
     if _FINISHED_GROUPS:
-        import gc
-        gc.collect()
+        from common.measure.step_gc import collect_between_runs
+        collect_between_runs()
         _FINISHED_GROUPS.clear()
     from torch.distributed.tensor import DTensor, _redistribute
     torch._C._clear_DTensor_sharding_propagator_cache()

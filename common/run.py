@@ -112,6 +112,7 @@ class Run:
         self.ckpt.listen()  # SIGTERM/SIGUSR1 (a cluster taking the nodes back): save one agreed step, stop
         self.tracer = MemoryTracer(part, optimizer, ctx.device, enabled=args.trace_memory,
                                    start=args.trace_start, steps=args.trace_steps, sources=sources)
+        self.tracer.first_step = self.start  # where this run starts (its first step, if it trains one)
         if self.tracer.enabled:  # --ckpt-async's host copy, when its checkpoint step is in the traced window
             self.ckpt.on_staged = self.tracer.staged
         if fsdp:

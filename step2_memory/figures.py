@@ -99,7 +99,8 @@ def chapter2(suffix: str = "") -> dict[str, str]:
             for r in CHAPTER2 if r.name in _CH2_LABELS}
     bench = json.loads((run_dir("02_bench", suffix) / "bench.json").read_text())
     s = runs["02_baseline"].summary
-    what = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens, {s['device_name']}"
+    setup = f"{s['model']} model, batch {s['global_batch_size']} x {s['seq_len']} tokens"
+    what = f"{setup}, {s['device_name']}"  # (the figures' titles name the device; the table's first line does)
     figs = ROOT / "figs"
     figs.mkdir(exist_ok=True)
     for name, fig, title in [
@@ -122,7 +123,7 @@ def chapter2(suffix: str = "") -> dict[str, str]:
     commands = [" ".join(["python", r.script, *r.flags[len(_CH2):]]) for r in CHAPTER2 if r.name in _CH2_LABELS]
     counted = (" and its attention" if suffix else  # on a CPU: _scaled_dot_product_flash_attention_for_cpu
                " (not attention: FlopCounterMode has no formula for the CPU's attention kernel)")
-    text = (f"Device: {device}; {what}.\n\n"
+    text = (f"Device: {device}; {setup}.\n\n"
             f"Memory: live tensor bytes at each run's peak, from the memory tracer of the run the command makes. "
             f"Step time: the fastest of {info['rounds']} steps per set-up{threads}, the set-ups taking turns step "
             f"by step in one process (`python step2_memory/bench_memory_savers.py --steps {info['rounds']}`; medians in "

@@ -127,10 +127,13 @@ def test_a_trace_window_before_the_resume_is_said_so(tmp_path):
     said = []
     ctx = SimpleNamespace(print=said.append, is_main=True, rank=0, has_peers=False, world_size=1)
     model = torch.nn.Linear(4, 4)
-    for first, expect in ((5, "this run resumed at step 5: steps 1-2 (--trace-start, --trace-steps) ran before"),
-                          (0, "the run never reached step 9")):
+    for first, steps, expect in ((5, 2, "this run resumed at step 5: steps 1-2 (--trace-start, --trace-steps) ran before"),
+                                 (0, 2, "the run never reached step 9"),
+                                 # resumed after its last step's checkpoint (common/run.py sets first_step): no step ran
+                                 (6, 0, "this run resumed at step 6, past its last step (--steps): it trained no step")):
         tracer = MemoryTracer(model, [], "cpu", start=1 if first else 9, steps=2, count_allocator=False)
-        for step in range(first, first + 2):
+        tracer.first_step = first
+        for step in range(first, first + steps):
             with tracer.record(step):
                 pass
         assert tracer.save(tmp_path, ctx, "t") is None

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.distributed import release_finished_groups  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
-from common.measure.step_gc import collect_between_runs  # noqa: E402
+from common.measure import step_gc  # noqa: E402
 _state = {"count": 0, "store": None}
 
 
@@ -66,6 +66,7 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
     err = io.StringIO()
     code = None  # (None: an exception other than SystemExit left main)
     threads = torch.get_num_threads()  # a script may set it (the step 2 benchmark does); the next one starts afresh
+    collections = step_gc._BETWEEN_RUNS[0]
     try:
         with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
             module.main()
@@ -77,8 +78,10 @@ def run_script(script: str, argv: list[str], capture_stderr: bool = False) -> tu
         torch.set_num_threads(threads)
         # Nothing of this run may reach into the next: a run that failed half-way leaves Python's
         # collector frozen (common/measure/step_gc.py's StepCollector) and its objects to a
-        # collection; on a GPU the next run's allocator counters would start with them.
-        collect_between_runs()
+        # collection; on a GPU the next run's allocator counters would start with them. A run whose
+        # main_guard released its process groups made that full collection already, after main.
+        if code != 0 or step_gc._BETWEEN_RUNS[0] == collections:
+            step_gc.collect_between_runs()
         release_finished_groups()  # (main_guard's already, unless the script's main has none)
     return code, err.getvalue()
 

@@ -61,8 +61,9 @@ def memory_saver_step(model_name: str, batch: int, seq_len: int, device, amp: st
 
 
 def matmul_flops(step: Callable[[], None]) -> int:
-    """FLOPs of the matrix multiplies and attention one call of ``step`` runs (forward,
-    backward and any recomputation), counted by PyTorch's FlopCounterMode from shapes.
+    """FLOPs of the matrix multiplies one call of ``step`` runs (forward, backward and any
+    recomputation), and of attention where FlopCounterMode has a formula for its kernel (not
+    the CPU's), counted by PyTorch's FlopCounterMode from shapes.
 
     Activation checkpointing shows here: full AC runs each block's forward again (about a
     third more), selective AC replays only the cheap ops, whose FLOPs are not counted."""

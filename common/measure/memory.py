@@ -142,6 +142,7 @@ class MemoryTracer(TraceResult):
         self.device = torch.device(device)
         self.enabled, self.start, self.steps = enabled, start, steps
         self.first_step: int | None = None  # the run's first step here (a --resume starts past 0)
+        self.trained = False  # a step ran in this run (one resumed after its last step trains none)
         self.active = False
         self.result: dict | None = None
         self._hooks = []
@@ -177,6 +178,7 @@ class MemoryTracer(TraceResult):
     def record(self, step: int):
         if self.first_step is None:
             self.first_step = step
+        self.trained = True
         if not self.will_record(step):
             yield
             return

@@ -80,6 +80,7 @@ class StepCollector:
 
 
 _RUN_ENDED = [False]  # a run has ended in this process since the last full collection
+_BETWEEN_RUNS = [0]  # how many collect_between_runs this process has made (tools/multirun.py reads it)
 
 
 def collect_between_runs():
@@ -92,3 +93,4 @@ def collect_between_runs():
     gc.unfreeze()
     gc.collect()
     _RUN_ENDED[0] = False
+    _BETWEEN_RUNS[0] += 1
