@@ -210,6 +210,12 @@ def check_writable(out: Path):
         missing = [p for p in [out, *out.parents] if not p.exists()]  # deepest first
         try:
             out.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as e:
+            # Another rank made it just before this one, then removed it again (as below) before
+            # mkdir looked whether it is a folder: make it anew (a file there is refused)
+            if out.exists() or attempt == 2:
+                raise refuse(e) from None
+            continue
         except OSError as e:
             raise refuse(e) from None
         MADE_FOR_THIS_RUN[:] = missing  # this run's (a harness may run several in one process)

@@ -347,3 +347,17 @@ def test_an_out_another_rank_removed_is_made_anew(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_text", write_text)
     check_writable(out)
     assert gone and out.is_dir() and not list(out.iterdir())
+    # ... or between the other rank's mkdir and this one's: mkdir meets the folder (EEXIST), and
+    # the folder is gone when mkdir looks whether it is one (a race the 4-rank suite met)
+    monkeypatch.setattr(Path, "write_text", real)
+    again, real_mkdir, raced = tmp_path / "again", Path.mkdir, []
+
+    def mkdir(self, *args, **kwargs):
+        if self == again and not raced:
+            raced.append(True)
+            raise FileExistsError(17, "File exists")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    check_writable(again)
+    assert raced and again.is_dir()
