@@ -39,6 +39,7 @@ import torch.distributed as dist
 from common.measure.bench import GB, check_message_size, fmt_size, message_sizes, time_collective
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
+from common.figure_file import save_figure
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
@@ -199,8 +200,7 @@ def plot(rows: list[dict], n: int, model: dict, path: str, title: str):
     ax2.set_ylabel("bus bandwidth (GB/s)")
     fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.11, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, (0, 0.11, 1, 1))
     plt.close(fig)
 
 

@@ -35,6 +35,7 @@ from common.errors import main_guard
 from common.measure.metrics import Metrics
 from common.model import build_model
 from common.training import adamw, evaluate, lr_schedule
+from common.figure_file import save_figure
 
 
 def train_with_hook(hook: str, args, ctx, corpus):
@@ -139,8 +140,7 @@ def plot(table: dict, args, ctx, path):
         ax.legend(fontsize=8)
     fig.suptitle(f"DDP communication hooks: {args.model} model, {ctx.world_size} ranks, {ctx.backend}, "
                  f"PowerSGD rank {args.powersgd_rank}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -10,6 +10,7 @@ from common.measure.byte_units import fmt_bytes
 from common.measure.plan import Plan
 from common.measure.theory import predict
 from common.model import get_config
+from common.figure_file import save_figure
 
 DEGREES = (1, 2, 4)
 
@@ -81,9 +82,8 @@ def cp_memory_figure(run_dir, suffix: str = "") -> dict[str, str]:
     ax.set_title(f"Each rank keeps 1/cp of the activations: {s1['model']}, batch {batch} x {seq}, {dtype}\n"
                  f"torchrun --nproc-per-node N step3_multi_gpu/train_cp.py --seq-len {seq} --global-batch-size {batch}"
                  + (" --amp off" if dtype == "fp32" else ""), fontsize=9)
-    fig.tight_layout()
     figs = ROOT / "figs"
-    fig.savefig(figs / f"03_cp_memory{suffix}.png", dpi=110)
+    save_figure(fig, figs / f"03_cp_memory{suffix}.png")
     plt.close(fig)
     (figs / f"03_cp_table{suffix}.md").write_text(md + "\n")
     print(f"wrote figs/03_cp_memory{suffix}.png and figs/03_cp_table{suffix}.md", flush=True)

@@ -61,8 +61,8 @@ def tokens_figure(runs: Path, out: Path) -> str:
                  f"of {s['model_config']['n_experts']}) on {s['world_size']} ranks, batch {s['global_batch_size']} x "
                  f"{s['seq_len']}\ntorchrun --nproc-per-node 4 step3_multi_gpu/train_ep.py [--aux-loss-weight 0]",
                  fontsize=11)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    from common.figure_file import save_figure
+    save_figure(fig, out)
     plt.close(fig)
     top = cfg["n_experts"] / cfg["top_k"]  # one expert chosen by every token: 1/top_k of the slots
 

@@ -37,6 +37,7 @@ from common.measure.bench import GB, check_message_size, fmt_size, message_sizes
 from common.measure.comm import CommCounter
 from common.distributed import distributed, require_launcher
 from common.errors import UserError, main_guard
+from common.figure_file import save_figure
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -221,8 +222,7 @@ def plot(timings: list[dict], path, title: str):
     ax1.set_ylabel("time per all-reduce (us, slowest rank)")
     ax2.set_ylabel("bus bandwidth = S/t x 2(n-1)/n (GB/s)")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -39,6 +39,7 @@ from common.errors import UserError, main_guard
 from common.measure.byte_units import byte_unit, fmt_bytes
 from common.measure.memory_categories import categories
 from common.measure.memory_figure import COLORS, render, stack_order
+from common.figure_file import save_figure
 
 
 @dataclass
@@ -195,8 +196,7 @@ def render_peak_bars(runs: list[RunResult], path, title: str, budget: tuple[int,
     # wrapped to the figure's width (about 11 characters an inch at this size), so a narrow
     # figure of two runs does not clip it
     ax.set_title(textwrap.fill(title, min(80, max(40, int(fig.get_size_inches()[0] * 11)))), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

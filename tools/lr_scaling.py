@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import ROOT  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
+from common.figure_file import save_figure  # noqa: E402
 
 SCRIPT = "step2_memory/train_amp.py"
 RULES = {"keep": lambda k: 1.0, "linear": lambda k: float(k), "sqrt": math.sqrt}
@@ -83,8 +84,7 @@ def plot(results: list[dict], path: Path, title: str):
                 lw=2 if r["rule"] == "-" else 1.3, label=f"{r['name']} (lr {r['lr']:.1e})")
     ax.set(xlabel="tokens seen", ylabel="training loss", title=title)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import UserError, main_guard  # noqa: E402
 from common.parallelize.pp import SCHEDULES  # noqa: E402
+from common.figure_file import save_figure  # noqa: E402
 from tools.multirun import run_script  # noqa: E402
 
 SCRIPT = "step3_multi_gpu/train_pp.py"
@@ -154,8 +155,7 @@ def plot(results: list[dict], path: Path, flags: str):
     right.legend(fontsize=6.5, ncol=2)
     right.grid(alpha=0.3)
     fig.suptitle(f"Pipeline bubble, {pp} ranks on CPU (gloo): {flags}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -207,8 +207,7 @@ def plot_timelines(results: list[dict], path: Path, flags: str):
                ncol=5, title="paler: the rank's second stage", title_fontsize=7)
     fig.suptitle(f"One step of each schedule, rank by rank, {pp} ranks on CPU (gloo): {flags}", fontsize=9, x=0.01,
                  ha="left")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.98))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, (0, 0.06, 1, 0.98))
     plt.close(fig)
 
 

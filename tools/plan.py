@@ -43,6 +43,7 @@ from common.measure.machines import GPUS, Machine, load_calibration  # noqa: E40
 from common.measure.steptime import DISPATCH, SHARED, TERMS, step_time  # noqa: E402
 from common.measure.plan import Plan  # noqa: E402
 from common.model import PRESETS, count_params, get_config  # noqa: E402
+from common.figure_file import save_figure  # noqa: E402
 from tools.estimate import HEADROOM_GIB, check_layouts, default_seq_len, label, model_config, worst_rank  # noqa: E402
 
 GiB = 2**30
@@ -354,8 +355,7 @@ def layouts_figure(args, path: Path) -> None:
                  f"step goes (python -m tools.plan --gpus {args.gpus} ...)", fontsize=9)
     ax.legend(loc="upper right", fontsize=8)  # the fastest bars, at the top, are the shortest
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import ROOT  # noqa: E402
 from common.errors import UserError, main_guard  # noqa: E402
+from common.figure_file import save_figure  # noqa: E402
 
 SCRIPTS = {"ddp": "step3_multi_gpu/train_ddp.py", "fsdp": "step3_multi_gpu/train_fsdp.py"}
 
@@ -91,8 +92,7 @@ def plot(points: list[dict], path: Path, title: str):
         ax.legend(fontsize=8)
     axes[0].set_ylabel("scaling efficiency")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

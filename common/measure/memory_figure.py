@@ -7,6 +7,7 @@ import numpy as np
 
 from common.measure.byte_units import byte_unit, fmt_bytes
 from common.measure.memory_categories import CATEGORIES, STAGING, UNSEEN, categories
+from common.figure_file import save_figure
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C", STAGING: "#64B5CD"}
@@ -115,8 +116,7 @@ def render(traces: list[dict], path, title: str, ymax: float | None = None) -> l
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
     rows = -(-len(handles) // 6)
-    fig.tight_layout(rect=(0, (0.06 if len(traces) > 1 else 0.1) * (1 + 0.5 * (rows - 1)), 1, 0.97))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, (0, (0.06 if len(traces) > 1 else 0.1) * (1 + 0.5 * (rows - 1)), 1, 0.97))
     renderer = fig.canvas.get_renderer()
     layout = []
     for box, marker, label, ax, line in panels:

@@ -166,6 +166,6 @@ def draw(everyone: list[dict], numbers: list[dict], path: Path, title: str):
     ax.set_yticklabels([lab for r in everyone for lab in (f"rank {r['rank']} comm", f"rank {r['rank']} compute")])
     ax.set_xlabel("time (ms) over the profiled steps")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from common.figure_file import save_figure
+    save_figure(fig, path)
     plt.close(fig)
