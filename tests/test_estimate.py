@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from common.measure import formulas, splits, theory
+from common.measure.missed_layouts import dry_run_argv, missed_layouts
 from common.measure.splits import param_shapes
 from common.measure.plan import Plan
 from tools.estimate import main as estimate_main, trace
@@ -113,7 +114,7 @@ def test_cli_table_and_one_strategy(capsys):
 
 def test_grad_accum_reaches_the_formula(capsys):
     """--grad-accum K: the micro-batches' moments (FSDP's summed unsharded gradients, and the
-    forward's first all-gathers beside them: the dry runs of ``_missed_plans`` hold those),
+    forward's first all-gathers beside them: the dry runs of ``missed_layouts`` hold those),
     not one batch K times as large."""
     flags = ["--model", "small", "--vocab-size", "32768", "--world-size", "4", "--strategy", "fsdp", "--seq-len", "16",
              "--batch", "8", "--device", "cpu"]
@@ -130,7 +131,7 @@ def test_grad_accum_reaches_the_formula(capsys):
 
 def test_a_3d_dry_run_is_train_3d_on_the_fullest_rank(capsys):
     """--dry-run of --strategy 2d with --pp: train_3d.py on the rank the formula finds fullest,
-    its peak beside the formula's (``_missed_plans``' 3-D entries hold more ranks) and its
+    its peak beside the formula's (``missed_layouts``' 3-D entries hold more ranks) and its
     collectives beside the formula's bytes, TP's per stage."""
     import re
 
@@ -439,73 +440,6 @@ def test_report_holds_an_offloaded_run_to_the_device_and_the_host():
         assert "on the host parameters" in lines[1] and "device peak" in lines[1]
 
 
-def _missed_plans() -> dict[str, tuple[Plan, int]]:
-    """Layouts the formula once missed (each measured against a dry run of its script, the
-    small preset, ratios of measured over predicted peak before it counted them), and the
-    rank whose peak was off."""
-    from dataclasses import replace
-    s8, v32, moe = replace(SMALL, n_layers=8), replace(SMALL, vocab_size=32768), get_config("small-moe")
-    kw = dict(world=4, batch=8, dtype="bf16")
-    return {
-        # FSDP accumulating (--grad-accum; a 3-D rank's micro-batches): every unit's whole fp32
-        # gradient until the last reduce-scatter, and 3-D's stage kept gathered (0.52-0.74)
-        "fsdp_accum_bf16": (Plan(s8, "fsdp_zero3", seq_len=16, accum=2, **kw), 0),
-        "fsdp_accum_fp32": (Plan(s8, "fsdp_zero3", seq_len=16, accum=2, **kw | {"dtype": "fp32"}), 0),
-        "3d": (Plan(replace(SMALL, n_layers=12), "2d", tp=1, pp=2, seq_len=16, microbatches=4, **kw), 0),
-        # the last 1F1B stage kept every micro-batch's logits for schedule.step to return (1.27)
-        "pp_last": (Plan(v32, "pp", seq_len=64, microbatches=8, **kw), 3),
-        # the V schedules' weight half recomputed a checkpointed block once per parameter group (1.33 and 1.22
-        # here; the page's 1.22 to 1.50 spans the layouts measured)
-        "zbv_ac": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="zbv", ac="full", **kw), 0),
-        "dualpipev_ac": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="dualpipev", ac="full", **kw), 0),
-        # ... and on the rank at the turn of the V, the gradients the input halves leave for the weight
-        # halves (every matmul's and norm's output gradient), seven micro-batch-stages of them in ZBV's
-        # cool-down (1.07 under the CPU's AdamW loop before they were counted), and the rebuilt block's
-        # weights cast to bf16 again by autocast (1.04 before)
-        "zbv_ac_turn": (Plan(s8, "pp", seq_len=64, microbatches=8, schedule="zbv", ac="full", **kw), 3),
-        # DDP's bucket rebuild at the second step: every gradient twice (1.08, 1.29)
-        "ddp_rebuild": (Plan(s8, "ddp", seq_len=16, **kw), 0),
-        "zero1_rebuild": (Plan(s8, "zero1", seq_len=16, **kw | {"dtype": "fp32"}), 0),
-        # loss parallelism's backward: three fp32 copies of the local logits, not two (1.12 of the allocator);
-        # under 2-D FSDP's root hands the loss fp32 logits, not bf16 (1.17 before both)
-        "tp_loss_parallel": (Plan(v32, "tp", seq_len=64, **kw), 0),
-        "2d_loss_parallel": (Plan(v32, "2d", tp=2, seq_len=64, **kw), 0),
-        # EP accumulating: the experts are no FSDP unit, their gradients are not held unsharded (0.66)
-        "ep_accum": (Plan(moe, "ep", seq_len=16, accum=2, **kw), 0),
-        # HSDP with --no-reshard-after-forward, predicted as ZeRO-3 before (1.12 at other sizes), then
-        # as ZeRO-2 with every unit gathered at the end of backward (0.86)
-        "hsdp_zero2": (Plan(s8, "hsdp_zero2", shard=2, seq_len=16, **kw), 0),
-        # 2-D at a 32K vocabulary, short sequences: the root's reduce-scatter, where FSDP's loop still
-        # refers to the output layer's full gradient beside the buffer and its output (1.07)
-        "2d_root_reduce": (Plan(v32, "2d", tp=2, seq_len=16, **kw), 0),
-        # ... and in fp32 the embedding's backward under TP before it: the whole vocabulary's gradient
-        # and its local copy beside the gathered root (1.26)
-        "2d_embedding_fp32": (Plan(v32, "2d", tp=2, seq_len=16, **kw | {"dtype": "fp32"}), 0),
-        # FSDP accumulating at a 32K vocabulary: a later micro-batch's first all-gathers, where FSDP keeps the
-        # root's all-gather output until the first block's copy-out, beside the summed fp32 gradients (1.15)
-        "fsdp_accum_root_gather": (Plan(v32, "fsdp_zero3", seq_len=16, accum=2, **kw), 0),
-        # ... and under 2-D the embedding's gradient summed over the whole vocabulary, alive in the last
-        # micro-batch's embedding backward (1.23)
-        "2d_accum_embedding": (Plan(v32, "2d", tp=2, seq_len=16, accum=2, **kw), 0),
-        # ... and a middle micro-batch's, where the other units' summed gradients are still whole (1.25)
-        "2d_accum_middle": (Plan(v32, "2d", tp=2, seq_len=16, accum=4, **kw | {"batch": 16}), 0),
-        # 3-D with TP (ZeRO-2 stages, the embedding's whole-vocabulary gradient summed over micro-batches):
-        # stage 0 in a middle micro-batch's embedding backward, beside the next micro-batch's activations
-        # (1.44); the last stage reduce-scatters its head first, beside the other units' whole fp32 sums and
-        # full-vocabulary logits (train_3d.py has no loss parallelism) (1.14)
-        "3d_tp_embedding": (Plan(v32, "2d", tp=2, pp=2, seq_len=64, microbatches=4, **kw | {"world": 8, "batch": 16}), 0),
-        "3d_tp_head": (Plan(v32, "2d", tp=2, pp=2, seq_len=16, microbatches=4, **kw | {"world": 8, "batch": 16}), 7),
-        # --split-root-unit: the head's all-gather output held through the loss's forward (1.05), and
-        # accumulating, the head's reduce-scatter beside every unit's summed gradients (1.11)
-        "split_root_loss": (Plan(v32, "fsdp_zero3", seq_len=64, split_root=True, **kw), 0),
-        "split_root_accum": (Plan(v32, "fsdp_zero3", seq_len=16, accum=2, split_root=True, **kw), 0),
-        # ... and under ZeRO-2 every other unit still gathered at both (1.06)
-        "split_root_zero2": (Plan(v32, "fsdp_zero2", seq_len=64, split_root=True, **kw), 0),
-        # 2-D with full AC: FSDP's policy makes a checkpointed block's input bf16 (activations 1.3x over)
-        "2d_ac": (Plan(SMALL, "2d", tp=2, seq_len=64, ac="full", **kw), 0),
-    }
-
-
 # run again with the CPU's own one-tensor-at-a-time AdamW (the suite takes CUDA's foreach path):
 # where its temporaries of the largest tensor make the peak
 FOR_LOOP = ("pp_last", "zbv_ac", "ddp_rebuild", "zbv_ac_turn")
@@ -513,14 +447,12 @@ FOR_LOOP = ("pp_last", "zbv_ac", "ddp_rebuild", "zbv_ac_turn")
 
 @pytest.fixture(scope="module")
 def missed(tmp_path_factory):
-    """Dry runs of the real scripts, one process (tests.tolerances.dry_runs), for ``_missed_plans``;
+    """Dry runs of the real scripts, one process (tests.tolerances.dry_runs), for ``missed_layouts``;
     FOR_LOOP's again under the CPU's AdamW loop, named NAME@for-loop."""
-    from common.layouts import layout_flags, model_flags, script_of
     from conftest import hang_limit
     from tests.tolerances import dry_runs
-    runs = [{"name": name, "script": script_of(p),
-             "argv": [*model_flags(p.cfg), *layout_flags(p), "--data", "synthetic", "--fake-world-size",
-                      str(p.world), "--fake-rank", str(rank)]} for name, (p, rank) in _missed_plans().items()]
+    runs = [{"name": name, "script": script, "argv": argv}
+            for name in missed_layouts() for script, argv in [dry_run_argv(name)]]
     out = tmp_path_factory.mktemp("missed")
     got = dry_runs(runs, out, hang_limit(360))
     again = [{**r, "name": f"{r['name']}@for-loop"} for r in runs if r["name"] in FOR_LOOP]
@@ -531,11 +463,11 @@ def _predicted(missed, name: str) -> dict:
     """The formula for dry run ``name``, with the AdamW kernels it ran (the suite takes CUDA's
     foreach path on a CPU: tests/conftest.py)."""
     from dataclasses import replace
-    plan, rank = _missed_plans()[name.split("@")[0]]
+    plan, rank = missed_layouts()[name.split("@")[0]]
     return theory.predict(replace(plan, optimizer=missed[name]["optimizer_kernels"]), rank)
 
 
-@pytest.mark.parametrize("name", [n for n in _missed_plans() if n != "2d_ac"] + [f"{n}@for-loop" for n in FOR_LOOP])
+@pytest.mark.parametrize("name", [n for n in missed_layouts() if n != "2d_ac"] + [f"{n}@for-loop" for n in FOR_LOOP])
 def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
     """The formula's peak against a dry run of the layout's real script, within 3%. Loss
     parallelism's backward runs ops inside DTensor's handler that the trace does not see: the
@@ -563,7 +495,7 @@ def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
 
 def test_3d_gathers_its_stage_once_a_step(missed):
     """train_3d.py keeps its stage gathered all step (ZeRO-2): one all-gather, not one a micro-batch."""
-    plan, rank = _missed_plans()["3d"]
+    plan, rank = missed_layouts()["3d"]
     (sent,) = missed["3d"]["comm"]
     assert sent["all_gather"]["bytes"] == theory.predict(plan, rank)["comm"]["all_gather"]
 
@@ -572,7 +504,7 @@ def test_hsdp_zero2_and_2d_ac_are_counted_as_they_run(missed):
     """HSDP with --no-reshard-after-forward keeps every unit gathered from its forward to its
     backward, as FSDP ZeRO-2 does, and is predicted so. 2-D with full AC keeps each block's
     bf16 input (FSDP's policy): the activations within 5%."""
-    plan, _ = _missed_plans()["hsdp_zero2"]
+    plan, _ = missed_layouts()["hsdp_zero2"]
     assert _predicted(missed, "hsdp_zero2")["transient"]["gathered parameters (FSDP)"] == 2 * count_params(plan.cfg)
     f, (mem,) = _predicted(missed, "2d_ac"), missed["2d_ac"]["memory"]
     assert mem["peak_by_category"]["activations"] == pytest.approx(f["activations"], rel=0.05)

@@ -132,7 +132,7 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
     for name in GPU_CHECK_STEP3:  # torchrun --nproc-per-node 1, the toy model of 01_baseline
         _same_losses(runs, name, "01_baseline", 3, "gpu_check --cpu, under torchrun")
     # every step-3 script, also as rank 0 of 4 alone, every collective's tensors on the run's device
-    dry = {r["name"].removeprefix("03_dry4_"): r for r in report["runs"] if r.get("fake_world_size")}
+    dry = {r["name"].removeprefix("03_dry4_"): r for r in report["runs"] if r["name"].startswith("03_dry4_")}
     assert dry.keys() == DRY4_SENDS.keys() and all(r["fake_world_size"] == 4 for r in dry.values())
     for name, kinds in DRY4_SENDS.items():
         seen = dry[name]["collective_devices"]
@@ -149,6 +149,11 @@ def test_gpu_check_cpu_mode_runs_every_script_and_step3_under_torchrun_matches_s
         check_allocator({"peak_bytes": r["traced_peak_bytes"], "allocator_peak_bytes": r["allocator_peak_bytes"],
                          "allocator_unseen_at_peak": r["allocator_unseen_at_peak"]}, r["name"])
     assert all(r.get("cycle_tensor_bytes_max") == 0 for r in report["runs"] if r["ok"])  # nothing held by a cycle
+    # a layout the formula once missed (common/measure/missed_layouts.py), rank R of W alone: the
+    # formula's peak for that rank beside the allocator's, as a GPU's report holds every one of them
+    (missed,) = [r for r in report["runs"] if r["name"].startswith("03_missed_")]
+    assert missed["allocator_peak_bytes"] == pytest.approx(missed["formula_peak_bytes"], rel=0.03)
+    assert f"| {missed['name']} | " in md.split("The memory formula")[1]
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_sentence():
@@ -579,7 +584,8 @@ def test_the_h200_report_in_figs_keeps_every_run_and_its_errors():
     report = json.loads((ROOT / "figs" / "gpu_check_h200.json").read_text())
     assert (report["device"], report["torch"], report["date"]) == ("NVIDIA H200", "2.11.0+cu130", "2026-11-26")
     # runs gpu_check gained after that pass: 02_amp_ac_first (a first traced step: nothing of an earlier step alive in it)
-    since = {"02_amp_ac_first"}
+    # and 03_missed_* (the layouts the memory formula once missed, dry-run on CUDA)
+    since = {"02_amp_ac_first"} | {c.name for c in gpu_check.CHECKS if c.name.startswith("03_missed_")}
     assert [r["name"] for r in report["runs"]] == [c.name for c in gpu_check.CHECKS if c.name not in since]
     failed = [r for r in report["runs"] if not r["ok"]]
     assert len(failed) == 8 and all(r["error"] for r in failed)  # the foreach and pipeline timer bugs

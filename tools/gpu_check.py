@@ -55,10 +55,18 @@ SCALES = {
     # tensor parallel over 4: the debug model's 2 key/value heads do not split in 4
     "125m_tp4": (["--model", "125m", "--global-batch-size", "12", "--seq-len", "1024"],
                  ["--model", "small", "--global-batch-size", "4", "--seq-len", "32"]),
+    # a layout of common/measure/missed_layouts.py: its flags name the model, batch and sequence
+    "layout": ([], []),
 }
 DRY_WORLD = 4  # the layout each step-3 script's dry run plays: a node of four GPUs
 STEPS = ["--steps", "10", "--trace-start", "3", "--trace-steps", "1", "--eval-batches", "0", "--data", "stdlib"]
 TOY_STEPS = ["--steps", "3", "--trace-start", "1", "--trace-steps", "1", "--eval-batches", "0", "--data", "synthetic"]
+
+
+def missed_checks() -> dict:
+    """{name: (plan, rank, script, flags)} of each layout in common/measure/missed_layouts.py."""
+    from common.measure.missed_layouts import dry_run_argv, missed_layouts
+    return {name: (plan, rank, *dry_run_argv(name, fake=False)) for name, (plan, rank) in missed_layouts().items()}
 
 
 @dataclass
@@ -69,7 +77,8 @@ class Check:
     scale: str = "125m"
     all_gpus: bool = False           # step 3: one rank per visible GPU, under torchrun
     figure: str | None = None        # figs/<figure>_cuda_<gpu>.png from its memory_trace.png
-    fake_world: int | None = None    # a dry run: rank 0 of this many, alone, in plain python
+    fake_world: int | None = None    # a dry run: rank ``fake_rank`` of this many, alone, in plain python
+    fake_rank: int = 0
     toy: bool = True                 # also in --cpu mode (not the compiled runs: Inductor takes a
                                      # minute a model on a small CPU; nor the 1b runs, the same scripts)
 
@@ -128,6 +137,13 @@ CHECKS = [
           # with 2-D's, which DTensor's cache mixes up in one process (tools/multirun.py)
           ("2d", "train_2d.py", [], "125m"), ("3d", "train_3d.py", ["--pp", "2", "--dp", "2", "--tp", "1"], "125m"),
           ("cp", "train_cp.py", [], "125m"), ("ep", "train_ep.py", [], "moe")]],
+    # The layouts the memory formula once missed, each found and fixed on this CPU against a dry
+    # run (common/measure/missed_layouts.py): on CUDA, the allocator's peak against the formula
+    # with CUDA's kernels, where the streams decide when FSDP frees what it gathered. Rehearsed
+    # on the CPU: one of them.
+    *[Check(f"03_missed_{name}", script, flags, scale="layout", fake_world=plan.world, fake_rank=rank,
+            toy=name == "fsdp_accum_bf16")
+      for name, (plan, rank, script, flags) in missed_checks().items()],
 ]
 
 
@@ -139,7 +155,7 @@ def gpu_slug(name: str) -> str:
 
 def flags_of(check: Check, toy: bool, out: Path, device: str) -> list[str]:
     scale = SCALES[check.scale][1 if toy else 0]
-    dry = ["--fake-world-size", str(check.fake_world)] if check.fake_world else []
+    dry = ["--fake-world-size", str(check.fake_world), "--fake-rank", str(check.fake_rank)] if check.fake_world else []
     return [*scale, *(TOY_STEPS if toy else STEPS), *check.flags, *dry, "--out", str(out), "--device", device]
 
 
@@ -214,7 +230,7 @@ def launch(checks: list[Check], key: str, nproc: int, torchrun: bool, toy: bool,
 def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> dict:
     out = runs_dir / check.name
     row = {"name": check.name, "script": check.script, "flags": check.flags, "scale": check.scale, "ranks": nproc,
-           "fake_world_size": check.fake_world}
+           "fake_world_size": check.fake_world, "fake_rank": check.fake_rank}
     status = out / "gpu_check_status.json"
     if not status.exists():
         return row | {"ok": False, "error": launch_error or "did not run (the launch stopped before it)"}
@@ -243,11 +259,17 @@ def result_row(check: Check, runs_dir: Path, nproc: int, launch_error: str) -> d
     # numbers that say where an allocator/trace gap comes from
     unseen = (mem[0].get("unseen") or {}) if mem else {}
     cycles = (s.get("gc") or {}).get("tensor_bytes") or []
+    # the memory formula's peak for the rank that ran (common/measure/theory.py, the run's own device)
+    per_rank = (s.get("predicted") or {}).get("per_rank") or []
+    # (a dry run: its rank's; else the fullest rank's, as the allocator's peak is the highest rank's)
+    peaks = [p.get("peak") for p in per_rank if p.get("peak") and (not check.fake_world or p.get("rank") == check.fake_rank)]
+    formula = max(peaks, default=None)
     return row | {"ok": True, "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s.get("mfu"),
                   "peak_flops_source": s.get("peak_flops_source"), "allocator_unseen_at_peak": missed,
                   "dtype": s.get("dtype"), "allocator_peak_bytes": allocator, "traced_peak_bytes": traced,
                   "unseen_max_bytes": unseen.get("max_bytes"), "alive_before_bytes": unseen.get("alive_before_bytes"),
-                  "cycle_tensor_bytes_max": max(cycles, default=None), "final_loss": s["final_loss"]}
+                  "cycle_tensor_bytes_max": max(cycles, default=None), "final_loss": s["final_loss"],
+                  "formula_peak_bytes": formula}
 
 
 def suite_command() -> list[str]:
@@ -285,9 +307,11 @@ def markdown(report: dict) -> str:
              "traced / allocator |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         dry = [f"--fake-world-size {r['fake_world_size']}"] if r.get("fake_world_size") else []
+        dry += [f"--fake-rank {r['fake_rank']}"] if r.get("fake_world_size") and r.get("fake_rank") else []
+        alone = f"rank {r.get('fake_rank') or 0} of {r.get('fake_world_size')}, alone"
         cmd = f"`{' '.join([r['script'], *r['flags'], *dry])}` ({'toy' if report['device'] == 'CPU' else r['scale']})"
         if not r["ok"]:
-            who = f"rank 0 of {r['fake_world_size']}, alone" if r.get("fake_world_size") else r["ranks"]
+            who = alone if r.get("fake_world_size") else r["ranks"]
             lines.append(f"| {r['name']} | {cmd} | {who} | no: {r['error']} | | | | | | |")
             continue
         a, t = r["allocator_peak_bytes"], r["traced_peak_bytes"]
@@ -296,11 +320,19 @@ def markdown(report: dict) -> str:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] and not dry else "-"
         ratio = f"{t / a:.3f}" if a and t else "-"
         tps = "-" if dry else f"{r['tokens_per_s']:,.0f}"
-        lines.append(f"| {r['name']} | {cmd} | {f'rank 0 of {dry}, alone' if dry else r['ranks']} | yes | "
+        lines.append(f"| {r['name']} | {cmd} | {alone if dry else r['ranks']} | yes | "
                      f"{r['step_time_s'] * 1e3:.1f} ms | {tps} | {mfu} | {gib(a)} | {gib(t)} | {ratio} |")
     sources = sorted({r["peak_flops_source"] for r in report["runs"] if r.get("mfu") and r.get("peak_flops_source")})
     if sources:  # fp32 and bf16 runs are measured against different peaks: their MFUs do not compare
         lines += ["", f"MFU: 6N + 12LdT FLOPs a token against the dense peak of each run's dtype: {'; '.join(sources)}."]
+    formula = [r for r in report["runs"] if r["ok"] and r.get("formula_peak_bytes") and r.get("allocator_peak_bytes")]
+    if formula:  # (reports made before the formula's peak was kept have none)
+        lines += ["", "The memory formula (common/measure/theory.py, with the kernels of the run's device) against the "
+                      "allocator's peak of the rank that ran; target: within 3%:", "",
+                  "| run | formula peak | allocator peak | allocator / formula |", "|---|---|---|---|"]
+        from common.measure.byte_units import fmt_bytes
+        lines += [f"| {r['name']} | {fmt_bytes(r['formula_peak_bytes'])} | {fmt_bytes(r['allocator_peak_bytes'])} | "
+                  f"{r['allocator_peak_bytes'] / r['formula_peak_bytes']:.3f} |" for r in formula]
     gaps = [r for r in report["runs"] if r["ok"] and (r.get("unseen_max_bytes") or r.get("cycle_tensor_bytes_max"))]
     if gaps:
         lines += ["", "Where the allocator's bytes went that the trace did not see (rank 0): not seen by the trace at "
