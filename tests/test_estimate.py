@@ -489,6 +489,8 @@ def test_the_layouts_the_formula_once_missed_peak_where_it_says(missed, name):
     if name in ("fsdp_accum_root_gather", "split_root_loss", "split_root_accum"):  # the moments named above
         assert f["peak_at"] == {"fsdp_accum_root_gather": theory.FORWARD_GATHER, "split_root_loss":
                                 theory.SPLIT_LOSS_FORWARD, "split_root_accum": theory.SPLIT_HEAD_REDUCE}[name]
+    if name == "tp_byte_vocab":  # after the loss's backward, in the final norm's
+        assert f["peak_at"] == theory.NORM_BACKWARD
     if "rebuild" in name:  # the second step's start, before any activation
         assert f["peak_at"] == theory.DDP_REBUILD and mem["peak_by_category"]["gradients"] == 2 * f["gradients"]
 

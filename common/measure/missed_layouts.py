@@ -74,6 +74,10 @@ def missed_layouts() -> dict[str, tuple[Plan, int]]:
         "split_root_accum": (Plan(v32, "fsdp_zero3", seq_len=16, accum=2, split_root=True, **kw), 0),
         # ... and under ZeRO-2 every other unit still gathered at both (1.06)
         "split_root_zero2": (Plan(v32, "fsdp_zero2", seq_len=64, split_root=True, **kw), 0),
+        # TP at the byte vocabulary: split over the ranks, the loss's backward is small, and the peak is
+        # the final norm's backward just after it, the CPU's fp32 norm's temporaries beside the head's
+        # gradients (1.06; train_2d.py --tp 4, TP at a data-parallel degree of 1, the same)
+        "tp_byte_vocab": (Plan(small, "tp", seq_len=64, **kw), 0),
         # 2-D with full AC: FSDP's policy makes a checkpointed block's input bf16 (activations 1.3x over)
         "2d_ac": (Plan(small, "2d", tp=2, seq_len=64, ac="full", **kw), 0),
     }

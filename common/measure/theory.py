@@ -104,6 +104,9 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
       earlier ones' summed gradients; with ``--split-root-unit`` the loss's forward, where the
       head's all-gather output is still held, and the head's reduce-scatter, the first of
       backward (``SPLIT_LOSS_FORWARD``, ``SPLIT_HEAD_REDUCE``);
+    - with the CPU's kernels, the final norm's backward (``NORM_BACKWARD``): the head's
+      activations freed but the norm's input, the output layer's gradient, and the composite
+      fp32 norm's five (tokens, d) temporaries: the peak of TP at a small vocabulary;
     - the optimizer step: parameters, gradients, AdamW state and its temporaries. On CUDA
       AdamW defaults to the foreach kernels, which build sqrt(v) for every parameter at once
       (4 bytes a parameter: half the state); on CPU it updates one tensor at a time, holding
@@ -140,6 +143,8 @@ def _peak(plan: Plan, kind: str, fsdp: bool, out: dict, transient: dict) -> tupl
                "end of backward": max(full + rebuilt + out.get("FSDP at the end of backward", 0),
                                       out["parameters"] + state_bytes + sum(out.get(ROOT_REDUCE, {}).values())),
                "optimizer step": full + temporaries}
+    if NORM_BACKWARD in transient:
+        moments[NORM_BACKWARD] = at_loss - out[FREED_AT_NORM] + transient[NORM_BACKWARD]
     if NEW_OUTPUT_GRAD in transient:
         moments["output layer's backward (accumulating)"] = (base - out[RELEASED_AT_OUTPUT]
                                                              + transient[NEW_OUTPUT_GRAD])
@@ -194,6 +199,8 @@ UNSHARDED_GRADS = "unsharded gradients (FSDP)"
 PP_RECV = "pipeline receive buffers (fp32 activations and their gradients)"
 NEW_OUTPUT_GRAD = "a later micro-batch's output-layer gradient, before it is added in"
 RELEASED_AT_OUTPUT = "freed by the output layer's backward"
+NORM_BACKWARD = "the final norm's backward"  # (on the CPU: its fp32 temporaries, the head's gradients)
+FREED_AT_NORM = "freed before the final norm's backward"
 W_PENDING = "gradients waiting for the weight half (split backward)"
 FREED_BEFORE_REBUILD = "freed by backward before the first block is rebuilt"
 
@@ -506,6 +513,17 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         copy = 2 * n_out if plan.dtype == "bf16" and not mp_policy else 0
         transient[NEW_OUTPUT_GRAD] = copy + 4 * n_out
         out[RELEASED_AT_OUTPUT] = head + copy
+    if (plan.device == "cpu" and "output.weight" in shapes and plan.pp == 1 and plan.loss_chunks <= 1
+            and not plan.sequence_parallel and not (fsdp and plan.dp > 1)):
+        # The final norm's backward, just after the loss's and the output layer's: the head's
+        # activations are freed but the norm's saved input and 1/rms, and the CPU's composite
+        # fp32 norm holds five (tokens, d) temporaries at once (the fused CUDA kernel: not yet
+        # measured). Under TP at a small vocabulary, split over the ranks, this outgrows the
+        # loss's backward (train_tp.py at the byte vocabulary: 1.07 of the formula without it).
+        out[FREED_AT_NORM] = head - tokens * (4 * cfg.dim + 4)
+        live = kind in ("ddp", "zero1") or plan.accum > 1  # (and pp > 1): every gradient already counted
+        grads = 0 if live else 4 * (math.prod(shapes["output.weight"]) + cfg.dim)  # the output layer's, the norm's
+        transient[NORM_BACKWARD] = grads + 5 * 4 * cfg.dim * tokens
     out["transient"] = transient
     out["peak"], out["peak_at"], out["optimizer temporaries"] = _peak(plan, kind, fsdp, out, transient)
 
