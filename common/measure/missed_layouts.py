@@ -85,7 +85,7 @@ def missed_layouts() -> dict[str, tuple[Plan, int]]:
 
 def dry_run_argv(name: str, fake: bool = True) -> tuple[str, list[str]]:
     """The script and flags of layout ``name``'s dry run (the run length, --out and --device
-    are the caller's; ``fake=False``: --fake-world-size and --fake-rank too)."""
+    are the caller's), with its --fake-world-size and --fake-rank unless ``fake`` is False."""
     from common.layouts import layout_flags, model_flags, script_of
     p, rank = missed_layouts()[name]
     dry = ["--fake-world-size", str(p.world), "--fake-rank", str(rank)] if fake else []
