@@ -109,7 +109,7 @@ class TraceResult:
             say(f"memory trace: steps {self.start}-{last} were asked for (--trace-start {self.start}, --trace-steps "
                 f"{self.steps}) but the run ended at step {done[-1]}; the trace holds step"
                 f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}.")
-        elif self.result is None and not self.trained and self.first_step is not None:
+        elif self.result is None and not self.trained and self.first_step:  # (a --resume: past step 0)
             say(f"memory trace: nothing recorded, this run resumed at step {self.first_step}, past its last step "
                 f"(--steps): it trained no step.")
         elif self.result is None and self.first_step is not None and self.first_step > last:
