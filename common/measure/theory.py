@@ -521,7 +521,7 @@ def predict(plan: Plan, rank: int = 0) -> dict:
         # measured). Under TP at a small vocabulary, split over the ranks, this outgrows the
         # loss's backward (train_tp.py at the byte vocabulary: 1.07 of the formula without it).
         out[FREED_AT_NORM] = head - tokens * (4 * cfg.dim + 4)
-        live = kind in ("ddp", "zero1") or plan.accum > 1  # (and pp > 1): every gradient already counted
+        live = kind in ("ddp", "zero1") or plan.accum > 1  # every gradient already counted (_peak's base)
         grads = 0 if live else 4 * (math.prod(shapes["output.weight"]) + cfg.dim)  # the output layer's, the norm's
         transient[NORM_BACKWARD] = grads + 5 * 4 * cfg.dim * tokens
     out["transient"] = transient
